@@ -1,0 +1,489 @@
+"""``CacheCore``: the page-run lifecycle over the tree and the three allocators.
+
+Engine-agnostic and I/O-free. It decides *what* may move and owns every page's bookkeeping;
+a backend moves the bytes and reports back through :meth:`complete` / :meth:`fail` /
+:meth:`cancel`. Each operation consults the spec table for every run it touches *before*
+changing anything; a refused operation raises :class:`TransitionRefused` and changes nothing.
+
+Ownership (invariant 1): every physical page of a tier is in exactly one of
+
+    allocator free set | a node's published pages | a transfer's private dst | private L1
+
+Lifecycle of a transfer (one whole path segment, top to bottom)::
+
+    start(d, node)   segment = nodes on root..node lacking d.target   (a suffix of the path)
+                     src lease: root..node in d.source; dst lease: root..segment parent in
+                     d.target; dst pages allocated, private to the transfer
+    complete(x)      publish dst on every node top-down, then release both leases
+    fail/cancel(x)   free dst, release both leases; the runs are as before the start
+
+Threading: one thread (the scheduler) calls into a ``CacheCore``; it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hicache.core.allocator import PageAllocator
+from hicache.core.geometry import DevicePage, HostPage, StorageSlot, TierSizes
+from hicache.core.node import Lease, Node, Transfer
+from hicache.core.status import CoreStatus, TierStatus
+from hicache.core.tokens import as_tokens
+from hicache.core.tree import HiRadixTree, MatchResult, TierMatch
+from hicache.errors import ConfigError, HandleError, IntegrityError, MisuseError, PageOwnershipError, TransitionRefused
+from hicache.spec.invariants import check_all
+from hicache.spec.model import (
+    Direction,
+    Event,
+    RunState,
+    Tier,
+    cancel_event,
+    complete_event,
+    evict_event,
+    fail_event,
+    start_event,
+)
+from hicache.spec.snapshot import LeaseView, NodeView, Snapshot, TransferView
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """Outcome of :meth:`CacheCore.insert`.
+
+    ``length``: tokens of the prompt now held in L1 by the tree (page aligned).
+    ``rejected``: private pages the tree did not adopt (duplicates of pages it already had,
+    or pages past a run whose L1 copy is still being restored); they stay private, the
+    caller frees them with :meth:`CacheCore.free_private` when done with them.
+    ``node``: the deepest node covering ``length`` (the root if 0).
+    """
+
+    length: int
+    rejected: list[DevicePage]
+    node: Node
+
+
+class CacheCore:
+    """Lifecycle of page runs across L1/L2/L3. See the module docstring for the contract."""
+
+    def __init__(self, page_size: int, sizes: TierSizes, *, tracing: bool = False) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise ConfigError(f"page_size must be a positive int, got {page_size!r}")
+        if not isinstance(sizes, TierSizes):
+            raise ConfigError(f"sizes must be a TierSizes, got {sizes!r}")
+        self.page_size = page_size
+        self.sizes = sizes
+        self.tree = HiRadixTree(page_size, tracing=tracing)
+        self.l1: PageAllocator[DevicePage] = PageAllocator(sizes.l1_pages, "L1")
+        self.l2: PageAllocator[HostPage] = PageAllocator(sizes.l2_pages, "L2")
+        self.l3: PageAllocator[StorageSlot] = PageAllocator(sizes.l3_pages, "L3")
+        self._alloc: tuple[PageAllocator[int], ...] = (self.l1, self.l2, self.l3)  # type: ignore[assignment]
+        self.private: set[int] = set()
+        self.transfers: dict[int, Transfer] = {}
+        self._transfer_ids = 0
+        self.evictions = [0, 0, 0]
+
+    # -- private L1 pages ------------------------------------------------------------------
+
+    def allocate_l1(self, n: int) -> list[DevicePage] | None:
+        """``n`` private L1 pages for a request, or None if fewer are free (no eviction)."""
+        pages = self.l1.allocate(n)
+        if pages is None:
+            return None
+        self.private.update(pages)
+        return pages
+
+    def free_private(self, pages: Sequence[DevicePage]) -> None:
+        """Give back private L1 pages (a finished or aborted request's own pages)."""
+        ordered = sorted(pages)
+        for p in ordered:
+            if p not in self.private:
+                raise PageOwnershipError(f"L1 page {p} is not a private page of a request")
+        self.l1.check_allocated(ordered)
+        for _ in ordered:
+            self.tree.expect(None, Event.REMOVE)
+        self.private.difference_update(ordered)
+        self.l1.free(ordered)
+        for _ in ordered:
+            self.tree.record(None, RunState.L1_PRIVATE, Event.REMOVE, RunState.REMOVED)
+
+    # -- match and lock ----------------------------------------------------------------------
+
+    def match(self, tokens: object) -> MatchResult:
+        """Per-tier page-aligned hit lengths for ``tokens``. Changes nothing."""
+        return self.tree.match_prefixes(as_tokens(tokens))
+
+    def lock(self, match: TierMatch) -> Lease:
+        """Pin a match so its pages cannot be evicted (per tier; the whole path)."""
+        return self.tree.lock(match)
+
+    def release(self, lease: Lease) -> None:
+        """Unpin. Double release or an unknown lease raises HandleError."""
+        self.tree.release(lease)
+
+    def pages(self, match: TierMatch) -> list[int]:
+        """Physical pages of a match in token order (any tier)."""
+        return self.tree.pages_of(match)
+
+    def pages_l1(self, match: TierMatch) -> list[DevicePage]:
+        """The L1 pages of an L1 match in token order, typed."""
+        if match.tier is not Tier.L1:
+            raise MisuseError(f"pages_l1 needs an L1 match, got {match.tier.name}")
+        return [DevicePage(p) for p in self.tree.pages_of(match)]
+
+    # -- insert ----------------------------------------------------------------------------
+
+    def insert(self, tokens: object, pages: Sequence[DevicePage]) -> InsertResult:
+        """Hand a prefilled prompt's L1 pages to the tree.
+
+        ``pages[i]`` holds tokens ``[i*ps, (i+1)*ps)``; only the page-aligned prefix of
+        ``tokens`` is inserted and ``len(pages)`` must equal its page count. Each page is
+        either the tree's own page at that position (a prefix the request matched) or one of
+        the caller's private pages; anything else raises PageOwnershipError, changing nothing.
+
+            tokens  [0 ............................. aligned) tail
+            tree    [0 ...... matched) ...                          (shared pages)
+            pages   [ tree's pages    | private pages        ]
+                                        adopted, or rejected as duplicates
+        """
+        toks = as_tokens(tokens)
+        ps = self.page_size
+        aligned = len(toks) - len(toks) % ps
+        if len(pages) != aligned // ps:
+            raise MisuseError(f"insert needs {aligned // ps} pages for {aligned} aligned tokens, got {len(pages)}")
+        if len(set(pages)) != len(pages):
+            raise PageOwnershipError("insert: a page is given twice")
+        tree_pages = self._l1_pages_along(toks[:aligned])
+        for i, p in enumerate(pages):
+            if p != tree_pages[i] and p not in self.private:
+                raise PageOwnershipError(
+                    f"insert: page {p} at position {i} is neither the tree's page there nor a private page"
+                )
+        return self._insert(toks[:aligned], list(pages))
+
+    def _l1_pages_along(self, toks: tuple[int, ...]) -> list[int | None]:
+        """Read-only walk: the tree's L1 page at every page position of ``toks`` (or None)."""
+        ps = self.page_size
+        out: list[int | None] = []
+        node = self.tree.root
+        i = 0
+        while i < len(toks):
+            child = node.children.get(toks[i : i + ps])
+            if child is None:
+                break
+            k = self.tree._common(child.key, toks, i)
+            pages = child.pages[Tier.L1]
+            out.extend(pages[: k // ps] if pages is not None else [None] * (k // ps))
+            if k < len(child.key):
+                break
+            i += k
+            node = child
+        out.extend([None] * (len(toks) // ps - len(out)))
+        return out
+
+    def _insert(self, toks: tuple[int, ...], pages: list[int]) -> InsertResult:
+        tree = self.tree
+        ps = self.page_size
+        node = tree.root
+        rejected: list[int] = []
+        i = 0
+        while i < len(toks):
+            child = node.children.get(toks[i : i + ps])
+            if child is None:
+                new = tree.new_node(toks[i:], node)
+                new_pages = pages[i // ps :]
+                after = tree.expect(None, Event.INSERT)
+                self.private.difference_update(new_pages)
+                tree.publish(new, Tier.L1, new_pages)
+                tree.record(new, RunState.L1_PRIVATE, Event.INSERT, after)
+                node, i = new, len(toks)
+                break
+            k = tree._common(child.key, toks, i)
+            if k < len(child.key):
+                tree.split(child, k)
+                child = node.children[toks[i : i + ps]]
+            mine = pages[i // ps : (i + k) // ps]
+            have = child.pages[Tier.L1]
+            if have is not None:
+                rejected.extend(p for p, q in zip(mine, have, strict=True) if p != q)
+                child.stamp[Tier.L1] = next(tree._clock)
+                tree.push_candidate(child, Tier.L1)
+            else:
+                before = child.state
+                if before is None or Event.INSERT not in _allowed(before):
+                    rejected.extend(pages[i // ps :])
+                    break
+                after = tree.expect(child, Event.INSERT)
+                self.private.difference_update(mine)
+                tree.publish(child, Tier.L1, mine)
+                tree.record(child, before, Event.INSERT, after)
+            node = child
+            i += k
+        return InsertResult(i, rejected, node)  # type: ignore[arg-type]
+
+    # -- transfers -------------------------------------------------------------------------
+
+    def segment(self, direction: Direction, node: Node) -> list[Node]:
+        """The nodes a transfer in ``direction`` ending at ``node`` would move, top down:
+        the suffix of the root..node path lacking a ``direction.target`` copy."""
+        target = direction.target
+        out: list[Node] = []
+        n = node
+        while n.parent is not None and n.pages[target] is None:
+            out.append(n)
+            n = n.parent
+        out.reverse()
+        return out
+
+    def can_start(self, direction: Direction, node: Node) -> bool:
+        """Whether :meth:`start` would be accepted by the spec (ignoring free pages)."""
+        seg = self.segment(direction, node) if node.alive else []
+        if not seg or self._alloc[direction.target].capacity == 0:
+            return False
+        event = start_event(direction)
+        return all((s := n.state) is not None and event in _allowed(s) for n in seg)
+
+    def start(self, direction: Direction, node: Node) -> Transfer | None:
+        """Begin moving the segment ending at ``node`` (see :meth:`segment`).
+
+        Returns None, changing nothing, if the target tier has too few free pages (evict
+        first). Raises TransitionRefused, changing nothing, if the spec forbids it for any
+        run of the segment, or the segment is empty.
+        """
+        if not node.alive or node.parent is None:
+            raise HandleError(f"cannot start {direction.name} from {node!r}: not a live node")
+        source, target = direction.source, direction.target
+        if self._alloc[target].capacity == 0:
+            raise TransitionRefused(f"{direction.name}: tier {target.name} has no capacity")
+        seg = self.segment(direction, node)
+        if not seg:
+            raise TransitionRefused(f"{direction.name}: {node!r} already has a {target.name} copy")
+        event = start_event(direction)
+        plan = [(n, n.state, self.tree.expect(n, event)) for n in seg]
+        src: list[int] = []
+        for n in seg:
+            pages = n.pages[source]
+            assert pages is not None  # the spec guard requires the source copy
+            src.extend(pages)
+        dst = self._alloc[target].allocate(len(src))
+        if dst is None:
+            return None
+        top_parent = seg[0].parent
+        assert top_parent is not None
+        src_lease = self.tree.lock_node(node, source)
+        dst_lease = None if top_parent.parent is None else self.tree.lock_node(top_parent, target)
+        self._transfer_ids += 1
+        transfer = Transfer(
+            self._transfer_ids,
+            direction,
+            list(seg),
+            src,
+            dst,
+            src_lease,
+            dst_lease,
+            tokens=len(src) * self.page_size,
+        )
+        off = 0
+        for n, before, after in plan:
+            width = len(n.key) // self.page_size
+            n.inflight[direction] = transfer
+            n.pending[direction] = dst[off : off + width]
+            off += width
+            assert before is not None
+            self.tree.record(n, before, event, after)
+        self.transfers[transfer.id] = transfer
+        return transfer
+
+    def _finish(self, transfer: Transfer, event: Event) -> list[tuple[Node, RunState, RunState]]:
+        if transfer.done or self.transfers.get(transfer.id) is not transfer:
+            raise HandleError(f"transfer #{transfer.id} already finished or unknown")
+        plan = []
+        for n in transfer.nodes:
+            before = n.state
+            assert before is not None
+            plan.append((n, before, self.tree.expect(n, event)))
+        return plan
+
+    def _close(self, transfer: Transfer) -> None:
+        transfer.done = True
+        del self.transfers[transfer.id]
+        self.tree.release(transfer.src_lease)
+        if transfer.dst_lease is not None:
+            self.tree.release(transfer.dst_lease)
+
+    def complete(self, transfer: Transfer) -> None:
+        """The backend finished copying: publish ``dst`` on every run, top down, then unlock."""
+        d = transfer.direction
+        event = complete_event(d)
+        plan = self._finish(transfer, event)
+        for n, before, after in plan:
+            pending = n.pending[d]
+            assert pending is not None
+            n.inflight[d] = None
+            n.pending[d] = None
+            self.tree.publish(n, d.target, pending)
+            self.tree.record(n, before, event, after)
+        self._close(transfer)
+
+    def fail(self, transfer: Transfer) -> None:
+        """The transfer failed: its private pages go back, the runs are as before start."""
+        self._abandon(transfer, fail_event(transfer.direction))
+
+    def cancel(self, transfer: Transfer) -> None:
+        """Cancelled (abort/close). Call only once the backend no longer touches ``dst``."""
+        self._abandon(transfer, cancel_event(transfer.direction))
+
+    def _abandon(self, transfer: Transfer, event: Event) -> None:
+        d = transfer.direction
+        plan = self._finish(transfer, event)
+        for n, before, after in plan:
+            n.inflight[d] = None
+            n.pending[d] = None
+            self.tree.record(n, before, event, after)
+        self._alloc[d.target].free(transfer.dst)
+        self._close(transfer)
+
+    # -- eviction --------------------------------------------------------------------------
+
+    def can_make_room(self, tier: Tier, n: int) -> bool:
+        """Whether free plus evictable pages of ``tier`` reach ``n``."""
+        return self._alloc[tier].num_free + self.tree.evictable[tier] >= n
+
+    def evict(self, tier: Tier, num_pages: int) -> int:
+        """Drop LRU unlocked leaf copies in ``tier`` until ``num_pages`` are freed or none is
+        left; returns pages freed. Only that tier's copy goes; a node with no copy left and
+        nothing in flight is removed from the tree."""
+        freed = 0
+        event = evict_event(tier)
+        while freed < num_pages:
+            node = self.tree.pop_lru(tier)
+            if node is None:
+                break
+            before = node.state
+            assert before is not None
+            after = self.tree.expect(node, event)
+            pages = self.tree.drop(node, tier)
+            self._alloc[tier].free(pages)
+            self.tree.record(node, before, event, after)
+            freed += len(pages)
+            self.evictions[tier] += len(pages)
+            if after is RunState.EMPTY:
+                self.tree.remove(node)
+        return freed
+
+    def ensure_free(self, tier: Tier, n: int) -> bool:
+        """Evict in ``tier`` until ``n`` pages are free; False (having evicted nothing) if
+        that is impossible."""
+        alloc = self._alloc[tier]
+        if alloc.num_free >= n:
+            return True
+        if not self.can_make_room(tier, n):
+            return False
+        self.evict(tier, n - alloc.num_free)
+        if alloc.num_free < n:
+            raise IntegrityError(
+                "pinning", f"tier {tier.name}", "evictable counter promised more pages than eviction found"
+            )
+        return True
+
+    # -- observability ---------------------------------------------------------------------
+
+    def status(self) -> CoreStatus:
+        """Per-tier capacity, free, protected, evictable, in-flight and private pages."""
+        in_flight = [0, 0, 0]
+        per_dir = [0, 0, 0, 0]
+        for x in self.transfers.values():
+            in_flight[x.direction.target] += len(x.dst)
+            per_dir[x.direction] += 1
+        tiers = [
+            TierStatus(
+                tier=t.name,
+                capacity=self._alloc[t].capacity,
+                free=self._alloc[t].num_free,
+                protected=self.tree.protected[t],
+                evictable=self.tree.evictable[t],
+                in_flight=in_flight[t],
+                private=len(self.private) if t is Tier.L1 else 0,
+                evicted=self.evictions[t],
+            )
+            for t in Tier
+        ]
+        return CoreStatus(
+            page_size=self.page_size,
+            tiers=tiers,
+            transfers_in_flight={d.name: per_dir[d] for d in Direction},
+            nodes=len(self.tree.nodes) - 1,
+            leases=len(self.tree.leases),
+        )
+
+    def snapshot(self) -> Snapshot:
+        """A plain-data view of everything the invariants look at."""
+        tree = self.tree
+        nodes = {
+            n.id: NodeView(
+                id=n.id,
+                parent=None if n.parent is None else n.parent.id,
+                key=n.key,
+                children=tuple((k, c.id) for k, c in n.children.items()),
+                pages=tuple(None if p is None else tuple(p) for p in n.pages),
+                refs=tuple(n.refs),
+                stamp=tuple(n.stamp),
+                tier_children=tuple(n.tier_children),
+                inflight=tuple(None if x is None else x.id for x in n.inflight),
+                pending=tuple(None if p is None else tuple(p) for p in n.pending),
+                alive=n.alive,
+            )
+            for n in tree.nodes.values()
+        }
+        transfers = {
+            x.id: TransferView(
+                id=x.id,
+                direction=x.direction,
+                nodes=tuple(n.id for n in x.nodes),
+                src=tuple(x.src),
+                dst=tuple(x.dst),
+                src_lease=x.src_lease.id,
+                dst_lease=None if x.dst_lease is None else x.dst_lease.id,
+            )
+            for x in self.transfers.values()
+        }
+        leases = {
+            lease.id: LeaseView(lease.id, lease.tier, lease.node.id, lease.node.alive) for lease in tree.leases.values()
+        }
+        return Snapshot(
+            page_size=self.page_size,
+            capacity=tuple(a.capacity for a in self._alloc),
+            free=tuple(tuple(a.free_pages()) for a in self._alloc),
+            private=tuple(sorted(self.private)),
+            root=tree.root.id,
+            nodes=nodes,
+            transfers=transfers,
+            leases=leases,
+            protected=tuple(tree.protected),
+            evictable=tuple(tree.evictable),
+            index=tuple(frozenset(tree.index_entries(t)) for t in Tier),
+        )
+
+    def check_integrity(self) -> None:
+        """Verify invariants 1, 2, 4, 5, 6, 7 and 8; raise IntegrityError naming the first
+        broken one and where. O(nodes + pages)."""
+        violations = check_all(self.snapshot())
+        if violations:
+            v = violations[0]
+            raise IntegrityError(v.invariant, v.where, v.detail)
+
+
+def _allowed(state: RunState) -> frozenset[Event]:
+    return _ALLOWED[state]
+
+
+def _build_allowed() -> dict[RunState, frozenset[Event]]:
+    from hicache.spec.model import TABLE
+
+    out: dict[RunState, set[Event]] = {s: set() for s in RunState}
+    for s, e in TABLE:
+        out[s].add(e)
+    return {s: frozenset(v) for s, v in out.items()}
+
+
+_ALLOWED = _build_allowed()

@@ -1,0 +1,35 @@
+"""Validation of token sequences handed to the core."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hicache.errors import MisuseError
+
+
+def as_tokens(tokens: object) -> tuple[int, ...]:
+    """A non-empty 1-D sequence of ints (tuple, list, integer tensor or array) as a tuple."""
+    if isinstance(tokens, tuple):
+        out = tokens
+    elif isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1:
+            raise MisuseError(f"tokens must be 1-D, got a tensor of shape {tuple(tokens.shape)}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise MisuseError(f"tokens must be integers, got dtype {tokens.dtype}")
+        out = tuple(tokens.tolist())
+    elif isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes)):
+        out = tuple(tokens)
+    elif hasattr(tokens, "tolist") and hasattr(tokens, "ndim"):
+        if tokens.ndim != 1:
+            raise MisuseError(f"tokens must be 1-D, got ndim={tokens.ndim}")
+        out = tuple(tokens.tolist())
+    else:
+        raise MisuseError(f"tokens must be a 1-D sequence of ints, got {type(tokens).__name__}")
+    if not out:
+        raise MisuseError("tokens must not be empty")
+    for x in out:
+        if type(x) is not int:
+            raise MisuseError(f"tokens must be ints, got {x!r} ({type(x).__name__})")
+    return out

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command: set up, then ruff, mypy --strict and pytest (fast hypothesis profile).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
+echo "== ruff"; .venv/bin/ruff check .
+echo "== mypy --strict"; .venv/bin/mypy
+echo "== pytest (hypothesis profile: $HYPOTHESIS_PROFILE)"
+.venv/bin/python -m pytest -q -m "not gpu" "$@"
