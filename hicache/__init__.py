@@ -1,5 +1,7 @@
 """hicache: a hierarchical (GPU / pinned host / file) KV cache for LLM inference engines."""
 
+import logging
+
 from hicache.errors import (
     ConfigError,
     HandleError,
@@ -11,6 +13,8 @@ from hicache.errors import (
 )
 
 __version__ = "0.1.0"
+
+logging.getLogger("hicache").addHandler(logging.NullHandler())  # quiet unless the app configures logging
 
 __all__ = [
     "ConfigError",

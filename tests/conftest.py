@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# NOTE: must be set before hicache.backends.kernels is imported: Triton reads it at @jit time.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile(
     "ci",

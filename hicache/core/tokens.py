@@ -29,7 +29,13 @@ def as_tokens(tokens: object) -> tuple[int, ...]:
         raise MisuseError(f"tokens must be a 1-D sequence of ints, got {type(tokens).__name__}")
     if not out:
         raise MisuseError("tokens must not be empty")
-    for x in out:
-        if type(x) is not int:
-            raise MisuseError(f"tokens must be ints, got {x!r} ({type(x).__name__})")
+    # NOTE: one C-level pass: a sum of ints is an int, and any float, complex, Fraction,
+    # numpy scalar or string among them makes it something else (or raises).
+    try:
+        ok = type(sum(out)) is int
+    except TypeError:
+        ok = False
+    if not ok:
+        bad = next(x for x in out if type(x) is not int and type(x) is not bool)
+        raise MisuseError(f"tokens must be ints, got {bad!r} ({type(bad).__name__})")
     return out

@@ -1,0 +1,126 @@
+"""Gather L1 pages into a packed page-major buffer, and scatter them back (DESIGN.md §6).
+
+Views (``E = page_size * kv_heads * head_dim`` elements, ``S = 2 * layers`` slabs)::
+
+    L1 slabs   [S, P, E]        slab s of physical page p at ((s * P) + p) * E
+    packed     [n, S, E]        logical page i, slab s at ((i * S) + s) * E  (= L2 page layout)
+
+gather: ``packed[i, s] = slabs[s, ids[i]]``; scatter: ``slabs[s, ids[i]] = packed[i, s]``.
+The Triton kernels give each program one ``(i, s)`` row and a BLOCK of its E elements, so
+every load and store is contiguous; offsets are int64 (pools over 2**31 elements work).
+Each kernel has a torch twin (``*_torch``): the fallback and the test oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hicache.errors import ConfigError
+
+try:  # Triton is optional: without it only the torch twins are available.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    HAVE_TRITON = False
+
+
+def _check(slabs: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor) -> None:
+    if slabs.dim() != 3 or packed.dim() != 3:
+        raise ConfigError(
+            f"slabs must be [S, P, E] and packed [n, S, E]; got {tuple(slabs.shape)}, {tuple(packed.shape)}"
+        )
+    s, _, e = slabs.shape
+    if packed.shape[1:] != (s, e) or packed.shape[0] < ids.numel():
+        raise ConfigError(
+            f"packed {tuple(packed.shape)} does not fit {ids.numel()} pages of slabs {tuple(slabs.shape)}"
+        )
+    if slabs.dtype != packed.dtype:
+        raise ConfigError(f"dtype mismatch: slabs {slabs.dtype}, packed {packed.dtype}")
+    if slabs.device != packed.device or ids.device != slabs.device:
+        raise ConfigError(f"devices differ: slabs {slabs.device}, packed {packed.device}, ids {ids.device}")
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise ConfigError(f"ids must be a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if not (slabs.is_contiguous() and packed.is_contiguous() and ids.is_contiguous()):
+        raise ConfigError("slabs, packed and ids must be contiguous")
+
+
+def gather_torch(slabs: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor) -> None:
+    """``packed[i, s] = slabs[s, ids[i]]`` for ``i < len(ids)`` (torch twin)."""
+    _check(slabs, ids, packed)
+    packed[: ids.numel()].copy_(slabs.index_select(1, ids).transpose(0, 1))
+
+
+def scatter_torch(packed: torch.Tensor, ids: torch.Tensor, slabs: torch.Tensor) -> None:
+    """``slabs[s, ids[i]] = packed[i, s]`` for ``i < len(ids)`` (torch twin)."""
+    _check(slabs, ids, packed)
+    slabs.index_copy_(1, ids, packed[: ids.numel()].transpose(0, 1))
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _gather_kernel(
+        slabs_ptr,  # L1 slabs [S, P, E], contiguous
+        ids_ptr,  # int64 [n]: physical L1 page of logical page i
+        packed_ptr,  # packed [n, S, E], contiguous
+        pool_pages,  # P
+        num_slabs,  # S = 2 * layers
+        page_elements,  # E
+        BLOCK: tl.constexpr,  # elements per program along E
+    ):
+        row = tl.program_id(0).to(tl.int64)  # i * S + s
+        col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < page_elements
+        page = row // num_slabs
+        slab = row % num_slabs
+        phys = tl.load(ids_ptr + page).to(tl.int64)
+        src = (slab * pool_pages + phys) * page_elements + col
+        vals = tl.load(slabs_ptr + src, mask=mask)
+        tl.store(packed_ptr + row * page_elements + col, vals, mask=mask)
+
+    @triton.jit
+    def _scatter_kernel(
+        packed_ptr,  # packed [n, S, E], contiguous
+        ids_ptr,  # int64 [n]: physical L1 page of logical page i
+        slabs_ptr,  # L1 slabs [S, P, E], contiguous
+        pool_pages,  # P
+        num_slabs,  # S = 2 * layers
+        page_elements,  # E
+        BLOCK: tl.constexpr,  # elements per program along E
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < page_elements
+        page = row // num_slabs
+        slab = row % num_slabs
+        phys = tl.load(ids_ptr + page).to(tl.int64)
+        vals = tl.load(packed_ptr + row * page_elements + col, mask=mask)
+        tl.store(slabs_ptr + (slab * pool_pages + phys) * page_elements + col, vals, mask=mask)
+
+
+def _launch(kernel: Any, a: torch.Tensor, ids: torch.Tensor, b: torch.Tensor, slabs: torch.Tensor) -> None:
+    if not HAVE_TRITON:
+        raise ConfigError("triton is not installed")
+    n = ids.numel()
+    if n == 0:
+        return
+    s, p, e = slabs.shape
+    block = min(4096, triton.next_power_of_2(e))
+    grid = (n * s, triton.cdiv(e, block))
+    kernel[grid](a, ids, b, p, s, e, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+
+
+def gather_triton(slabs: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor) -> None:
+    """``packed[i, s] = slabs[s, ids[i]]`` with one Triton launch."""
+    _check(slabs, ids, packed)
+    _launch(_gather_kernel, slabs, ids, packed, slabs)
+
+
+def scatter_triton(packed: torch.Tensor, ids: torch.Tensor, slabs: torch.Tensor) -> None:
+    """``slabs[s, ids[i]] = packed[i, s]`` with one Triton launch."""
+    _check(slabs, ids, packed)
+    _launch(_scatter_kernel, packed, ids, slabs, slabs)

@@ -1,0 +1,120 @@
+"""The L1 (device) and L2 (host) page pools (DESIGN.md §2).
+
+    L1  [2 (K/V), layer, page, token_in_page, kv_head, head_dim]   read by attention kernels
+    L2  [page, 2, layer, token_in_page, kv_head, head_dim]          one page contiguous
+
+Both are also seen as ``[pages, 2*layers, page_elements]`` (L2, page-major) and
+``[2*layers, pages, page_elements]`` (L1): the transfer kernels work on those views, where
+``page_elements = page_size * kv_heads * head_dim``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hicache.core.geometry import KVGeometry
+from hicache.errors import ConfigError, PageOwnershipError
+
+
+def check_pages(name: str, pages: Sequence[int], limit: int) -> None:
+    """Raise PageOwnershipError unless ``pages`` are distinct ints in ``[0, limit)``."""
+    seen: set[int] = set()
+    for p in pages:
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < limit:
+            raise PageOwnershipError(f"{name}: page {p!r} out of range [0, {limit})")
+        if p in seen:
+            raise PageOwnershipError(f"{name}: page {p} given twice")
+        seen.add(p)
+
+
+def l1_shape(geometry: KVGeometry, pages: int) -> tuple[int, ...]:
+    g = geometry
+    return (2, g.num_layers, pages, g.page_size, g.num_kv_heads, g.head_dim)
+
+
+def l2_shape(geometry: KVGeometry, pages: int) -> tuple[int, ...]:
+    g = geometry
+    return (pages, 2, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim)
+
+
+class DevicePool:
+    """L1: the engine's paged KV pool. We read and write pages; we never change its layout."""
+
+    def __init__(self, geometry: KVGeometry, buffer: torch.Tensor) -> None:
+        validate_l1(geometry, buffer)
+        self.geometry = geometry
+        self.buffer = buffer
+        self.num_pages = buffer.shape[2]
+        g = geometry
+        self.slabs = buffer.view(2 * g.num_layers, self.num_pages, g.page_elements)
+
+    @classmethod
+    def allocate(cls, geometry: KVGeometry, pages: int, device: torch.device | str) -> DevicePool:
+        if pages <= 0:
+            raise ConfigError(f"L1 pages must be positive, got {pages}")
+        return cls(geometry, torch.empty(l1_shape(geometry, pages), dtype=geometry.dtype, device=device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+
+def validate_l1(geometry: KVGeometry, buffer: object) -> None:
+    """Refuse anything but a contiguous MHA/GQA pool of our layout, dtype and geometry."""
+    if isinstance(buffer, (list, tuple)):
+        raise ConfigError(
+            "L1 pool must be one tensor [2, layer, page, token, kv_head, head_dim]; separate latent "
+            "buffers (an MLA-style pool) are not supported"
+        )
+    if not isinstance(buffer, torch.Tensor):
+        raise ConfigError(f"L1 pool must be a torch.Tensor, got {type(buffer).__name__}")
+    if buffer.dtype != geometry.dtype:
+        kind = "a quantized KV pool" if buffer.dtype in (torch.int8, torch.uint8) or buffer.element_size() == 1 else ""
+        raise ConfigError(
+            f"L1 pool dtype {buffer.dtype} differs from the geometry's {geometry.dtype}"
+            + (f" ({kind} is not supported)" if kind else "")
+        )
+    g = geometry
+    if buffer.dim() != 6 or buffer.shape[0] != 2:
+        raise ConfigError(
+            f"L1 pool must be [2, layer, page, token, kv_head, head_dim] (MHA/GQA); got shape "
+            f"{tuple(buffer.shape)} (an MLA-style latent pool is not supported)"
+        )
+    want = (2, g.num_layers, buffer.shape[2], g.page_size, g.num_kv_heads, g.head_dim)
+    if tuple(buffer.shape) != want:
+        raise ConfigError(f"L1 pool shape {tuple(buffer.shape)} does not match geometry {want}")
+    if not buffer.is_contiguous():
+        raise ConfigError("L1 pool must be contiguous")
+
+
+class HostPool:
+    """L2: page-major host memory, pinned when CUDA is available.
+
+    ``page_buffer`` is ``[page, 2, layer, token, kv_head, head_dim]``; ``buffer`` is the
+    L1-ordered view of the same memory; ``bytes`` is ``[page, bytes_per_page]`` uint8 (for
+    file I/O); ``slabs`` is ``[page, 2*layer, page_elements]`` (for transfers).
+    """
+
+    def __init__(self, geometry: KVGeometry, pages: int, *, pin: bool | None = None) -> None:
+        if isinstance(pages, bool) or not isinstance(pages, int) or pages <= 0:
+            raise ConfigError(f"L2 pages must be a positive int, got {pages!r}")
+        self.geometry = geometry
+        self.num_pages = pages
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.pinned = pin
+        nbytes = pages * geometry.bytes_per_page
+        # NOTE: 4096-byte aligned so O_DIRECT file I/O can read straight into pages.
+        raw = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=pin)
+        shift = (-raw.data_ptr()) % 4096
+        self._raw = raw
+        self.bytes = raw[shift : shift + nbytes].view(pages, geometry.bytes_per_page)
+        self.page_buffer = self.bytes.view(geometry.dtype).view(l2_shape(geometry, pages))
+        g = geometry
+        self.slabs = self.page_buffer.view(pages, 2 * g.num_layers, g.page_elements)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The L1-ordered view ``[2, layer, page, token, kv_head, head_dim]`` (not contiguous)."""
+        return self.page_buffer.permute(1, 2, 0, 3, 4, 5)

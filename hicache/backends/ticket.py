@@ -1,0 +1,83 @@
+"""Transfer tickets: the handle a backend returns for one asynchronous copy."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hicache.spec.model import Direction
+
+
+@dataclass(slots=True)
+class Timings:
+    """Where a transfer's time went. ``setup_s`` is one-time (workspace allocation) and is
+    excluded from :attr:`recurring_s`, which is what the cost model learns from."""
+
+    enqueue_s: float = 0.0  # CPU time to issue the copy (index upload, host gather, launches)
+    setup_s: float = 0.0  # one-time workspace allocation inside enqueue
+    queue_s: float = 0.0  # waiting before service began
+    service_s: float = 0.0  # kernel + DMA (device events) or file I/O
+    complete_s: float = 0.0  # CPU work at completion (host index_copy_, checksum checks)
+    total_s: float = 0.0  # from the call to observed completion
+
+    @property
+    def recurring_s(self) -> float:
+        return max(0.0, self.total_s - self.setup_s)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One transfer in flight. ``poll()`` advances it without blocking; ``wait()`` blocks.
+
+    ``ok`` is None while pending, then True or False (``error`` says why). A failed ticket
+    never published anything: its destination pages hold garbage and stay private.
+    """
+
+    direction: Direction
+    pages: int
+    nbytes: int
+    started: float = field(default_factory=time.perf_counter)
+    timings: Timings = field(default_factory=Timings)
+    ok: bool | None = None
+    error: str | None = None
+    extents: int = 0
+    _check: Callable[[bool], bool | None] | None = None  # (block) -> None while pending
+
+    def poll(self) -> bool:
+        """True once finished (successfully or not). Runs completion work exactly once."""
+        if self.ok is not None:
+            return True
+        if self._check is None:
+            raise RuntimeError("ticket has no completion check")
+        result = self._check(False)
+        if result is None:
+            return False
+        self._finish(result)
+        return True
+
+    def wait(self) -> bool:
+        """Block until finished; returns ``ok``."""
+        if self.ok is None:
+            assert self._check is not None
+            result = self._check(True)
+            assert result is not None
+            self._finish(result)
+        return bool(self.ok)
+
+    def _finish(self, ok: bool) -> None:
+        self.ok = ok
+        self.timings.total_s = time.perf_counter() - self.started
+        t = self.timings
+        t.queue_s = max(0.0, t.total_s - t.enqueue_s - t.service_s - t.complete_s)
+        self._check = None
+
+    def fail_now(self, error: str) -> None:
+        """Mark failed (used at enqueue time, before anything was issued)."""
+        self.error = error
+        self._finish(False)
+
+    @property
+    def gib_per_s(self) -> float:
+        t = self.timings.recurring_s
+        return self.nbytes / t / 2**30 if t > 0 else 0.0

@@ -1,0 +1,375 @@
+"""L1 <-> L2 transfers: one gather kernel plus one DMA per direction (DESIGN.md §6).
+
+D2H::
+
+    L1 pages --gather (1 launch)--> packed device buffer --1 DMA--> L2 pages (consecutive)
+                                                         \\-1 DMA--> pinned workspace
+                                                                   --index_copy_--> L2 pages
+
+H2D is symmetric: host gather only when the L2 pages are fragmented, one DMA, one scatter
+launch into arbitrary L1 pages.
+
+Streams: the private transfer stream first waits on the caller's current stream (page ids
+and pages it produced are ready), and the caller makes its stream wait on the ticket's
+event (:meth:`DeviceTicket.wait_on_current_stream`) before reading restored pages. Tensors
+used on the transfer stream are kept alive by the ticket until its event completes.
+
+On a CPU-only machine the same API runs synchronously (no streams; tickets finish at once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from hicache.backends import kernels
+from hicache.backends.faults import FaultInjector
+from hicache.backends.pools import DevicePool, HostPool, check_pages
+from hicache.backends.ticket import Ticket
+from hicache.errors import ConfigError, PageOwnershipError
+from hicache.spec.model import Direction
+
+log = logging.getLogger(__name__)
+
+TransferBackend = Literal["auto", "triton", "torch"]
+Copy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+GATHER: dict[str, Copy] = {"torch": kernels.gather_torch, "triton": kernels.gather_triton}
+SCATTER: dict[str, Copy] = {"torch": kernels.scatter_torch, "triton": kernels.scatter_triton}
+# torch.cuda's Stream and Event constructors are unannotated; use them through Any.
+_Stream: Any = torch.cuda.Stream
+_Event: Any = torch.cuda.Event
+
+
+def is_consecutive(pages: Sequence[int]) -> bool:
+    return all(b == a + 1 for a, b in itertools.pairwise(pages))
+
+
+@dataclass(eq=False)
+class Workspace:
+    """A packed device buffer of ``pages`` pages, and (only once the fragmented path needs
+    it) a pinned host buffer of the same size."""
+
+    pages: int
+    device: torch.Tensor
+    host: torch.Tensor | None = None
+    busy: bool = False
+
+
+@dataclass(eq=False)
+class DeviceTicket(Ticket):
+    event: Any = None  # torch.cuda.Event recorded after the last copy
+    keep: list[Any] = field(default_factory=list)
+
+    def wait_on_current_stream(self) -> None:
+        """Make the caller's current CUDA stream wait for this transfer (no CPU block)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+class TransferEngine:
+    """Moves pages between a :class:`DevicePool` (L1) and a :class:`HostPool` (L2)."""
+
+    def __init__(
+        self,
+        l1: DevicePool,
+        l2: HostPool,
+        backend: TransferBackend = "auto",
+        *,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        if backend not in ("auto", "triton", "torch"):
+            raise ConfigError(f"transfer backend must be auto, triton or torch; got {backend!r}")
+        if l1.geometry != l2.geometry:
+            raise ConfigError("L1 and L2 pools have different geometries")
+        self.l1 = l1
+        self.l2 = l2
+        self.geometry = l1.geometry
+        self.requested = backend
+        self.cuda = l1.device.type == "cuda"
+        self.triton_usable = kernels.HAVE_TRITON and (self.cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        if backend == "triton" and not self.triton_usable:
+            raise ConfigError("transfer backend 'triton' needs triton and a CUDA device (or TRITON_INTERPRET=1)")
+        self.stream: Any = _Stream(device=l1.device) if self.cuda else None
+        self.faults = faults or FaultInjector()
+        self.gather_backend: str | None = None
+        self.scatter_backend: str | None = None
+        self.autotune_ms: dict[str, float] = {}
+        self.workspaces: list[Workspace] = []
+        self.pinned_bytes = 0
+        self.device_workspace_bytes = 0
+
+    # -- backend choice ----------------------------------------------------------------------
+
+    def _choose(self) -> None:
+        if self.gather_backend is not None:
+            return
+        if self.requested == "torch" or not self.triton_usable:
+            self.gather_backend = self.scatter_backend = "torch"
+        elif self.requested == "triton":
+            self.gather_backend = self.scatter_backend = "triton"
+        else:
+            self._autotune()
+        log.info(
+            "hicache transfer: gather=%s scatter=%s %s", self.gather_backend, self.scatter_backend, self.autotune_ms
+        )
+
+    def _autotune(self) -> None:
+        """Time Triton and torch on this geometry; keep Triton for gather if <= 1.05x torch
+        and for scatter if <= 1.02x. Scatter is timed into a scratch buffer, never L1."""
+        g = self.geometry
+        n = min(64, self.l1.num_pages)
+        slabs = self.l1.slabs
+        ids = torch.randperm(self.l1.num_pages, device=slabs.device)[:n].contiguous()
+        packed = torch.empty((n, 2 * g.num_layers, g.page_elements), dtype=g.dtype, device=slabs.device)
+        scratch = torch.empty((2 * g.num_layers, n, g.page_elements), dtype=g.dtype, device=slabs.device)
+        scratch_ids = torch.randperm(n, device=slabs.device)
+        times: dict[str, float] = {}
+        for name, fn, args in (
+            ("gather_torch", kernels.gather_torch, (slabs, ids, packed)),
+            ("gather_triton", kernels.gather_triton, (slabs, ids, packed)),
+            ("scatter_torch", kernels.scatter_torch, (packed, scratch_ids, scratch)),
+            ("scatter_triton", kernels.scatter_triton, (packed, scratch_ids, scratch)),
+        ):
+            try:
+                times[name] = self._time(fn, args)
+            except Exception as exc:  # a Triton failure under auto falls back to torch
+                warnings.warn(f"hicache: {name} failed ({exc!r}); using torch", RuntimeWarning, stacklevel=3)
+                times[name] = float("inf")
+        self.autotune_ms = {k: v * 1e3 for k, v in times.items()}
+        self.gather_backend = "triton" if times["gather_triton"] <= 1.05 * times["gather_torch"] else "torch"
+        self.scatter_backend = "triton" if times["scatter_triton"] <= 1.02 * times["scatter_torch"] else "torch"
+
+    def _time(self, fn: Copy, args: tuple[torch.Tensor, torch.Tensor, torch.Tensor], reps: int = 5) -> float:
+        fn(*args)  # warm-up (and compile)
+        samples = []
+        for _ in range(reps):
+            if self.cuda:
+                start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+                start.record()
+                fn(*args)
+                end.record()
+                end.synchronize()
+                samples.append(float(start.elapsed_time(end)) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn(*args)
+                samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    def _run(self, table: dict[str, Copy], which: str, args: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        name = self.gather_backend if which == "gather" else self.scatter_backend
+        assert name is not None
+        try:
+            table[name](*args)
+        except Exception as exc:
+            if name != "triton" or self.requested == "triton":
+                raise
+            warnings.warn(
+                f"hicache: triton {which} failed ({exc!r}); falling back to torch", RuntimeWarning, stacklevel=3
+            )
+            if which == "gather":
+                self.gather_backend = "torch"
+            else:
+                self.scatter_backend = "torch"
+            table["torch"](*args)
+
+    # -- workspaces --------------------------------------------------------------------------
+
+    def _acquire(self, pages: int, *, needs_host: bool) -> tuple[Workspace, float]:
+        """Best fit by page count; returns (workspace, one-time setup seconds)."""
+        t0 = time.perf_counter()
+        idle = [w for w in self.workspaces if not w.busy and w.pages >= pages]
+        ws = min(idle, key=lambda w: (w.pages, w.host is None and needs_host)) if idle else None
+        g = self.geometry
+        if ws is None:
+            shape = (pages, 2 * g.num_layers, g.page_elements)
+            if self.cuda:
+                with torch.cuda.stream(self.stream):
+                    dev = torch.empty(shape, dtype=g.dtype, device=self.l1.device)
+            else:
+                dev = torch.empty(shape, dtype=g.dtype)
+            ws = Workspace(pages, dev)
+            self.device_workspace_bytes += dev.numel() * dev.element_size()
+            self.workspaces.append(ws)
+        if needs_host and ws.host is None:  # NOTE: pinned memory only for the fragmented path
+            ws.host = torch.empty(ws.device.shape, dtype=g.dtype, pin_memory=self.cuda)
+            self.pinned_bytes += ws.host.numel() * ws.host.element_size()
+        ws.busy = True
+        return ws, time.perf_counter() - t0
+
+    def _release(self, ws: Workspace) -> None:
+        """Free the workspace; of several idle ones keep only the largest (one with a pinned
+        buffer preferred at equal size)."""
+        ws.busy = False
+        idle = [w for w in self.workspaces if not w.busy]
+        if len(idle) > 1:
+            keep = max(idle, key=lambda w: (w.pages, w.host is not None))
+            for w in idle:
+                if w is not keep:
+                    self.device_workspace_bytes -= w.device.numel() * w.device.element_size()
+                    if w.host is not None:
+                        self.pinned_bytes -= w.host.numel() * w.host.element_size()
+            self.workspaces = [w for w in self.workspaces if w.busy or w is keep]
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def d2h(self, src: Sequence[int], dst: Sequence[int]) -> DeviceTicket:
+        """Copy L1 pages ``src`` into L2 pages ``dst`` (same order)."""
+        return self._transfer(Direction.D2H, src, dst)
+
+    def h2d(self, src: Sequence[int], dst: Sequence[int]) -> DeviceTicket:
+        """Copy L2 pages ``src`` into L1 pages ``dst``. Before reading ``dst`` on a stream,
+        call ``ticket.wait_on_current_stream()`` (or ``wait()``)."""
+        return self._transfer(Direction.H2D, src, dst)
+
+    def _transfer(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> DeviceTicket:
+        t0 = time.perf_counter()
+        if len(src) != len(dst):
+            raise PageOwnershipError(f"{direction.name}: {len(src)} source pages for {len(dst)} destinations")
+        l1_pages, l2_pages = (src, dst) if direction is Direction.D2H else (dst, src)
+        check_pages("L1", l1_pages, self.l1.num_pages)
+        check_pages("L2", l2_pages, self.l2.num_pages)
+        n = len(src)
+        ticket = DeviceTicket(direction, n, n * self.geometry.bytes_per_page, started=t0)
+        if n == 0:
+            ticket._finish(True)
+            return ticket
+        self._choose()
+        consecutive = is_consecutive(l2_pages)
+        ws, setup = self._acquire(n, needs_host=not consecutive)
+        ticket.timings.setup_s = setup
+        if direction is Direction.D2H:
+            complete = self._issue_d2h(ticket, ws, l1_pages, l2_pages, consecutive)
+        else:
+            complete = self._issue_h2d(ticket, ws, l2_pages, l1_pages, consecutive)
+        fault = self.faults.take("write" if direction is Direction.D2H else "read")
+        ticket.timings.enqueue_s = time.perf_counter() - t0
+        ticket._check = self._checker(
+            ticket, ws, complete, fault.kind if fault else None, fault.delay_s if fault else 0.0
+        )
+        if not self.cuda:
+            ticket.poll()
+        return ticket
+
+    def _checker(
+        self, ticket: DeviceTicket, ws: Workspace, complete: Callable[[], None], fault: str | None, delay: float
+    ) -> Callable[[bool], bool | None]:
+        def check(block: bool) -> bool | None:
+            event = ticket.event
+            if event is not None:
+                if block:
+                    event.synchronize()
+                elif not event.query():
+                    return None
+                ticket.timings.service_s = ticket.keep[0].elapsed_time(event) / 1e3
+            t1 = time.perf_counter()
+            if delay:
+                time.sleep(delay)
+            complete()
+            ticket.timings.complete_s = time.perf_counter() - t1
+            ticket.keep.clear()
+            self._release(ws)
+            if fault == "fail":
+                ticket.error = "injected transfer failure"
+                return False
+            return True
+
+        return check
+
+    def _ids(self, pages: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(pages, dtype=torch.int64)
+        return ids.to(self.l1.device, non_blocking=True) if self.cuda else ids
+
+    def _issue_d2h(
+        self, ticket: DeviceTicket, ws: Workspace, src: Sequence[int], dst: Sequence[int], consecutive: bool
+    ) -> Callable[[], None]:
+        n = len(src)
+        ids = self._ids(src)  # produced on the caller's current stream
+        packed = ws.device[:n]
+        target = self.l2.slabs[dst[0] : dst[0] + n] if consecutive else ws.host[:n]  # type: ignore[index]
+        if not self.cuda:
+            t = time.perf_counter()
+            self._run(GATHER, "gather", (self.l1.slabs, ids, packed))
+            target.copy_(packed)
+            ticket.timings.service_s = time.perf_counter() - t
+        else:
+            # NOTE: the transfer stream must see the page ids and pages the caller produced.
+            self.stream.wait_stream(torch.cuda.current_stream(self.l1.device))
+            start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+            with torch.cuda.stream(self.stream):
+                start.record()
+                self._run(GATHER, "gather", (self.l1.slabs, ids, packed))
+                target.copy_(packed, non_blocking=True)
+                end.record()
+            ids.record_stream(self.stream)
+            ticket.event = end
+            ticket.keep = [start, ids, ws]
+        if consecutive:
+            return lambda: None
+        host_idx = torch.tensor(dst, dtype=torch.int64)
+        staged = ws.host[:n]  # type: ignore[index]
+
+        def land() -> None:  # after the DMA: one host-side index_copy_ into the L2 pages
+            self.l2.slabs.index_copy_(0, host_idx, staged)
+
+        return land
+
+    def _issue_h2d(
+        self, ticket: DeviceTicket, ws: Workspace, src: Sequence[int], dst: Sequence[int], consecutive: bool
+    ) -> Callable[[], None]:
+        n = len(src)
+        if consecutive:
+            source = self.l2.slabs[src[0] : src[0] + n]
+        else:
+            assert ws.host is not None
+            source = ws.host[:n]
+            torch.index_select(self.l2.slabs, 0, torch.tensor(src, dtype=torch.int64), out=source)
+        ids = self._ids(dst)
+        packed = ws.device[:n]
+        if not self.cuda:
+            t = time.perf_counter()
+            packed.copy_(source)
+            self._run(SCATTER, "scatter", (packed, ids, self.l1.slabs))
+            ticket.timings.service_s = time.perf_counter() - t
+            return lambda: None
+        # NOTE: wait for the caller's stream: it produced the ids (and may still be reading
+        # the destination pages' previous contents).
+        self.stream.wait_stream(torch.cuda.current_stream(self.l1.device))
+        start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            packed.copy_(source, non_blocking=True)
+            self._run(SCATTER, "scatter", (packed, ids, self.l1.slabs))
+            end.record()
+        ids.record_stream(self.stream)
+        ticket.event = end
+        ticket.keep = [start, ids, ws, source]
+        return lambda: None
+
+    # -- observability -----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "requested": self.requested,
+            "gather": self.gather_backend,
+            "scatter": self.scatter_backend,
+            "autotune_ms": dict(self.autotune_ms),
+            "workspaces": len(self.workspaces),
+            "workspace_device_bytes": self.device_workspace_bytes,
+            "workspace_pinned_bytes": self.pinned_bytes,
+            "device": str(self.l1.device),
+        }
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            self.stream.synchronize()

@@ -1,0 +1,122 @@
+"""L1 -> L2 -> L3 -> L2 -> L1 round trips are bit-exact (CPU; CUDA in tests/gpu)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hicache.backends import kernels
+from hicache.backends.pools import DevicePool, HostPool
+from hicache.backends.transfer import TransferEngine
+from hicache.core.geometry import KVGeometry
+from hicache.errors import ConfigError, PageOwnershipError
+from tests.backends.helpers import l1_page, stack
+
+CASES = [
+    # (L1 source pages, L2 pages, L3 slots, L2 pages read back, L1 pages restored)
+    ([0, 1, 2, 3], [2, 3, 4, 5], [4, 5, 6, 7], [0, 1, 2, 3], [8, 9, 10, 11]),  # consecutive
+    ([7, 2, 9, 4], [6, 1, 8, 3], [9, 0, 5, 2], [5, 9, 0, 7], [3, 11, 0, 6]),  # fragmented
+]
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["consecutive", "fragmented"])
+def test_round_trip_is_bit_exact(page_size: int, dtype: torch.dtype, case: int) -> None:
+    src, l2_pages, slots, back, dst = CASES[case]
+    dev, host, engine, storage = stack(page_size, dtype)
+    want = [l1_page(dev, p).clone() for p in src]
+    assert engine.d2h(src, l2_pages).wait()
+    assert storage.write(l2_pages, slots).wait()
+    host.page_buffer.normal_()  # L2 overwritten: the data must come back from the file
+    assert storage.read(slots, back).wait()
+    assert engine.h2d(back, dst).wait()
+    for w, p in zip(want, dst, strict=True):
+        assert torch.equal(l1_page(dev, p), w)
+    storage.close()
+
+
+@pytest.mark.skipif(not kernels.HAVE_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_triton_backends_round_trip(backend: str) -> None:
+    """The transfer engine on Triton kernels (interpreted on CPU) moves the same bytes."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    dev, _host, engine, storage = stack(2, torch.bfloat16, backend=backend)  # type: ignore[arg-type]
+    want = [l1_page(dev, p).clone() for p in (5, 1)]
+    assert engine.d2h([5, 1], [7, 3]).wait() and engine.h2d([7, 3], [0, 11]).wait()
+    assert torch.equal(l1_page(dev, 0), want[0]) and torch.equal(l1_page(dev, 11), want[1])
+    assert engine.status()["gather"] in ("triton", "torch")
+    if backend == "auto":
+        assert set(engine.status()["autotune_ms"]) == {
+            "gather_torch",
+            "gather_triton",
+            "scatter_torch",
+            "scatter_triton",
+        }
+    storage.close()
+
+
+def test_host_buffer_is_the_l1_ordered_view() -> None:
+    g = KVGeometry(2, 2, 4, 2, torch.float32)
+    host = HostPool(g, 3)
+    host.page_buffer.copy_(torch.randn(host.page_buffer.shape))
+    assert host.buffer.shape == (2, 2, 3, 2, 2, 4)
+    assert torch.equal(host.buffer[1, 0, 2], host.page_buffer[2, 1, 0])
+    assert host.bytes.data_ptr() % 4096 == 0
+
+
+def test_consecutive_path_allocates_no_pinned_workspace() -> None:
+    _dev, _host, engine, storage = stack(2, torch.float32)
+    assert engine.d2h([0, 1, 2], [3, 4, 5]).wait()
+    assert engine.status()["workspace_pinned_bytes"] == 0
+    assert engine.d2h([3, 4], [9, 1]).wait()  # fragmented: now a host buffer exists
+    assert engine.status()["workspace_pinned_bytes"] > 0
+    storage.close()
+
+
+def test_workspaces_keep_only_the_largest_idle() -> None:
+    _dev, _host, engine, storage = stack(1, torch.float32, l1=20, l2=20)
+    assert engine.d2h([0, 1], [0, 1]).wait()
+    assert engine.d2h(list(range(2, 10)), list(range(2, 10))).wait()
+    assert engine.d2h([10], [10]).wait()
+    assert [w.pages for w in engine.workspaces] == [8]
+    storage.close()
+
+
+def test_bad_page_lists_raise_before_anything_moves() -> None:
+    _dev, host, engine, storage = stack(2, torch.float32)
+    before = host.page_buffer.clone()
+    for src, dst in (([0, 1], [2]), ([0, 99], [1, 2]), ([0, 1], [3, 3]), ([-1], [0])):
+        with pytest.raises(PageOwnershipError):
+            engine.d2h(src, dst)
+    assert torch.equal(host.page_buffer, before)
+    storage.close()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda g: [torch.zeros(8, 2, 2)], "MLA-style"),  # separate latent buffers
+        (lambda g: torch.zeros(8, 2, 2, dtype=torch.float32), "MLA-style"),
+        (lambda g: torch.zeros(2, 2, 8, 2, 2, 4, dtype=torch.int8), "quantized"),
+        (lambda g: torch.zeros(2, 3, 8, 2, 2, 4), "does not match"),
+        (lambda g: torch.zeros(2, 2, 2, 2, 8, 4).permute(0, 1, 4, 2, 3, 5), "contiguous"),
+        (lambda g: "not a tensor", "torch.Tensor"),
+    ],
+)
+def test_l1_pool_refuses_unsupported_layouts(make: object, message: str) -> None:
+    g = KVGeometry(2, 2, 4, 2, torch.float32)
+    with pytest.raises(ConfigError, match=message):
+        DevicePool(g, make(g))  # type: ignore[operator]
+
+
+def test_explicit_triton_without_device_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    g = KVGeometry(1, 1, 4, 1, torch.float32)
+    with pytest.raises(ConfigError, match="triton"):
+        TransferEngine(DevicePool.allocate(g, 2, "cpu"), HostPool(g, 2), "triton")

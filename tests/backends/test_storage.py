@@ -1,0 +1,197 @@
+"""L3 storage: every failure gives a failed ticket or a clear error; the file is safe."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.backends.faults import FaultKind
+from hicache.backends.pools import HostPool
+from hicache.backends.storage import StorageBackend, StorageFile, coalesce
+from hicache.core.geometry import KVGeometry
+from hicache.errors import ConfigError, PageOwnershipError
+
+G = KVGeometry(2, 2, 64, 16, torch.bfloat16)  # 8 KiB pages: O_DIRECT-sized
+
+
+def backend(path: Path | None = None, *, slots: int = 8, direct: bool = False) -> StorageBackend:
+    host = HostPool(G, 8)
+    host.page_buffer.copy_(torch.randn(host.page_buffer.shape).to(G.dtype))
+    return StorageBackend(StorageFile(G, slots, path, direct=direct), host)
+
+
+def test_coalesce_needs_adjacency_on_both_sides() -> None:
+    assert coalesce([0, 1, 2, 5], [3, 4, 5, 6]) == [(0, 3), (3, 4)]
+    assert coalesce([0, 1, 2], [3, 5, 6]) == [(0, 1), (1, 3)]
+    assert coalesce([], []) == []
+
+
+def test_extents_are_counted() -> None:
+    s = backend()
+    t = s.write([0, 1, 2, 3], [4, 5, 6, 0])
+    assert t.wait() and t.extents == 2 and s.status()["extents"] == 2
+    s.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "op", "ok"),
+    [
+        ("eio", "write", False),
+        ("enospc", "write", False),
+        ("eof", "write", False),
+        ("short", "write", True),  # a short write is looped to completion
+        ("eio", "read", False),
+        ("eof", "read", False),  # a short read at end of data fails
+        ("short", "read", True),
+        ("corrupt", "read", False),  # checksum mismatch
+        ("corrupt", "write", False),  # the byte lands in the file; the read-back catches it
+        ("slow", "read", True),
+    ],
+)
+def test_fault_outcomes(kind: FaultKind, op: str, ok: bool) -> None:
+    s = backend()
+    want = s.host.page_buffer[0:2].clone()
+    if op == "write":
+        s.faults.add(kind, op="write", delay_s=0.01)
+        written = s.write([0, 1], [3, 4]).wait()
+        assert written == (ok or kind == "corrupt")
+        result = s.read([3, 4], [5, 6]).wait() if written else False
+    else:
+        assert s.write([0, 1], [3, 4]).wait()
+        s.faults.add(kind, op="read", delay_s=0.01)
+        result = s.read([3, 4], [5, 6]).wait()
+    assert result is ok
+    if ok:
+        assert torch.equal(s.host.page_buffer[5:7], want)
+    assert s.faults.injected == {kind: 1}
+    s.close()
+
+
+def test_failed_ticket_reports_its_error() -> None:
+    s = backend()
+    s.faults.add("eio", op="write")
+    t = s.write([0], [0])
+    assert t.wait() is False and t.ok is False and t.error is not None and "EIO" in t.error
+    s.close()
+
+
+def test_bad_pages_raise_before_io() -> None:
+    s = backend()
+    for host_pages, slots in (([0], [8]), ([0, 0], [1, 2]), ([0], [1, 2]), ([9], [0])):
+        with pytest.raises(PageOwnershipError):
+            s.write(host_pages, slots)
+    s.close()
+    with pytest.raises(ConfigError, match="closed"):
+        s.write([0], [0])
+
+
+def test_unnamed_file_is_private_and_already_unlinked() -> None:
+    f = StorageFile(G, 4)
+    st = os.fstat(f.fd)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_nlink == 0
+    assert st.st_size == 4 * G.bytes_per_page
+    f.close()
+
+
+def test_named_file_is_truncated_and_0600(tmp_path: Path) -> None:
+    p = tmp_path / "l3.bin"
+    p.write_bytes(b"old contents" * 1000)
+    p.chmod(0o644)
+    f = StorageFile(G, 3, p)
+    assert p.stat().st_size == 3 * G.bytes_per_page and stat.S_IMODE(p.stat().st_mode) == 0o600
+    assert p.read_bytes()[:12] == bytes(12)
+    f.close()
+
+
+def test_refuses_directory_symlink_foreign_owner_and_no_room(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="directory"):
+        StorageFile(G, 2, tmp_path)
+    target = tmp_path / "real"
+    target.write_bytes(b"")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(ConfigError, match="symlink"):
+        StorageFile(G, 2, link)
+    with pytest.raises(ConfigError, match="does not exist"):
+        StorageFile(G, 2, tmp_path / "missing" / "l3.bin")
+    with pytest.raises(ConfigError, match="free"):
+        StorageFile(G, 2**40, tmp_path / "huge.bin")
+    if os.geteuid() == 0:
+        other = tmp_path / "other"
+        other.write_bytes(b"")
+        os.chown(other, 12345, 12345)
+        with pytest.raises(ConfigError, match="owned by uid 12345"):
+            StorageFile(G, 2, other)
+
+
+def test_refuses_unwritable_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.geteuid() == 0:  # root may write anywhere; emulate a read-only directory
+        monkeypatch.setattr(os, "access", lambda path, mode: False)
+    else:
+        tmp_path.chmod(0o500)
+    with pytest.raises(ConfigError, match="not writable"):
+        StorageFile(G, 2, tmp_path / "l3.bin")
+
+
+def test_symlink_planted_after_validation_is_not_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    path = tmp_path / "l3.bin"
+    real_validate = StorageFile._validate
+
+    def racing_validate(self: StorageFile, p: Path) -> None:
+        real_validate(self, p)
+        path.symlink_to(victim)  # an attacker swaps in a symlink between check and open
+
+    monkeypatch.setattr(StorageFile, "_validate", racing_validate)
+    with pytest.raises(ConfigError, match="symlink"):
+        StorageFile(G, 2, path)
+    assert victim.read_bytes() == b"precious"
+
+
+def test_refused_o_direct_falls_back_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that refuses O_DIRECT (EINVAL at open, as older tmpfs does) gets
+    buffered I/O and a warning, and still round-trips."""
+    import errno
+
+    real_open = os.open
+
+    def refusing_open(path: str, flags: int, *args: int) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    for path in (tmp_path / "named.bin", None):
+        with pytest.warns(RuntimeWarning, match="O_DIRECT"):
+            s = backend(path, direct=True)
+        assert not s.file.direct
+        assert s.write([0], [0]).wait() and s.read([0], [1]).wait()
+        assert torch.equal(s.host.page_buffer[0], s.host.page_buffer[1])
+        s.close()
+
+
+def test_o_direct_round_trip_where_supported(tmp_path: Path) -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        s = backend(tmp_path / "direct.bin", direct=True)
+    want = s.host.page_buffer[2:4].clone()
+    assert s.write([2, 3], [5, 6]).wait() and s.read([5, 6], [0, 1]).wait()
+    assert torch.equal(s.host.page_buffer[0:2], want)
+    s.close()
+
+
+def test_close_cancels_queued_work_without_success() -> None:
+    s = backend()
+    s.faults.add("slow", 3, delay_s=0.05)
+    tickets = [s.write([i], [i]) for i in range(6)]
+    s.close(wait=False)
+    outcomes = [t.wait() for t in tickets]
+    assert all(isinstance(o, bool) for o in outcomes)
+    assert not all(outcomes) or s.closed
