@@ -29,6 +29,20 @@ def check_pages(name: str, pages: Sequence[int], limit: int) -> None:
         seen.add(p)
 
 
+def coalesce(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
+    """Split index range ``[0, len(a))`` into maximal runs where both ``a`` and ``b`` step by
+    one; returns ``(first, end)`` pairs. (With ``a is b``: the runs of consecutive pages.)"""
+    extents: list[tuple[int, int]] = []
+    first = 0
+    for i in range(1, len(a)):
+        if a[i] != a[i - 1] + 1 or b[i] != b[i - 1] + 1:
+            extents.append((first, i))
+            first = i
+    if len(a):
+        extents.append((first, len(a)))
+    return extents
+
+
 def l1_shape(geometry: KVGeometry, pages: int) -> tuple[int, ...]:
     g = geometry
     return (2, g.num_layers, pages, g.page_size, g.num_kv_heads, g.head_dim)

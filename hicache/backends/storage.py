@@ -35,7 +35,7 @@ import numpy as np
 import xxhash
 
 from hicache.backends.faults import FaultInjector
-from hicache.backends.pools import HostPool, check_pages
+from hicache.backends.pools import HostPool, check_pages, coalesce
 from hicache.backends.ticket import Ticket
 from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError, PageOwnershipError
@@ -43,20 +43,6 @@ from hicache.spec.model import Direction
 
 log = logging.getLogger(__name__)
 ALIGN = 4096
-
-
-def coalesce(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
-    """Split index range ``[0, len(a))`` into maximal runs where both ``a`` and ``b`` step by
-    one; returns ``(first, end)`` pairs."""
-    extents: list[tuple[int, int]] = []
-    first = 0
-    for i in range(1, len(a)):
-        if a[i] != a[i - 1] + 1 or b[i] != b[i - 1] + 1:
-            extents.append((first, i))
-            first = i
-    if a:
-        extents.append((first, len(a)))
-    return extents
 
 
 class StorageFile:
@@ -190,6 +176,7 @@ class StorageBackend:
         host: HostPool,
         *,
         workers: int = 4,
+        chunk_pages: int = 8,
         checksums: bool = True,
         faults: FaultInjector | None = None,
     ) -> None:
@@ -197,6 +184,9 @@ class StorageBackend:
             raise ConfigError("L3 file and L2 pool have different geometries")
         if workers <= 0:
             raise ConfigError(f"storage workers must be positive, got {workers}")
+        if chunk_pages <= 0:
+            raise ConfigError(f"storage chunk_pages must be positive, got {chunk_pages}")
+        self.chunk_pages = chunk_pages
         self.file = file
         self.host = host
         self.checksums = checksums
@@ -254,19 +244,47 @@ class StorageBackend:
         ticket.extents = len(extents)
         op: Literal["read", "write"] = "write" if direction is Direction.H2S else "read"
         hp, sl = list(host_pages), list(slots)
-        future = self._pool.submit(self._work, op, hp, sl, extents, ticket)
+        # NOTE: long extents are cut into chunks the pool runs in parallel, so checksums
+        # and page copies of one chunk overlap the I/O of the others.
+        chunks = [
+            [(c, min(end, c + self.chunk_pages))] for first, end in extents for c in range(first, end, self.chunk_pages)
+        ]
+        if op == "read" and not self.file.direct:
+            # NOTE: parallel chunks on one file description defeat the kernel's sequential
+            # readahead; announce each extent so it is read ahead whole.
+            for first, end in extents:
+                os.posix_fadvise(
+                    self.file.fd,
+                    self.file.offset(sl[first]),
+                    (end - first) * self.file.bytes_per_page,
+                    os.POSIX_FADV_WILLNEED,
+                )
+        spans: list[tuple[float, float]] = []
+        futures = [self._pool.submit(self._work, op, hp, sl, c, ticket, spans) for c in chunks]
         ticket.timings.enqueue_s = time.perf_counter() - t0
 
         def check(block: bool) -> bool | None:
-            if not block and not future.done():
+            if not block and not all(f.done() for f in futures):
                 return None
-            return _outcome(future, ticket)
+            ok = all([_outcome(f, ticket) for f in futures])
+            if spans:
+                ticket.timings.service_s = max(e for _, e in spans) - min(b for b, _ in spans)
+            if ok:
+                with self._lock:
+                    self.extents += len(extents)
+            return ok
 
         ticket._check = check
         return ticket
 
     def _work(
-        self, op: Literal["read", "write"], hp: list[int], sl: list[int], extents: list[tuple[int, int]], ticket: Ticket
+        self,
+        op: Literal["read", "write"],
+        hp: list[int],
+        sl: list[int],
+        extents: list[tuple[int, int]],
+        ticket: Ticket,
+        spans: list[tuple[float, float]],
     ) -> bool:
         t0 = time.perf_counter()
         try:
@@ -285,15 +303,13 @@ class StorageBackend:
                         for p, s in zip(hp[first:end], sl[first:end], strict=True):
                             if xxhash.xxh3_64_intdigest(self._pages[p]) != int(self._sums[s]):
                                 raise OSError(errno.EIO, f"checksum mismatch in L3 slot {s}")
-            with self._lock:
-                self.extents += len(extents)
             return True
         except OSError as exc:
             ticket.error = f"{op} failed: {exc}"
             log.warning("hicache L3 %s failed: %s", op, exc)
             return False
         finally:
-            ticket.timings.service_s = time.perf_counter() - t0
+            spans.append((t0, time.perf_counter()))
 
     def _pwrite_all(self, view: memoryview, offset: int) -> None:
         fault = self.faults.take("write")

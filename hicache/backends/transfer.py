@@ -19,7 +19,6 @@ On a CPU-only machine the same API runs synchronously (no streams; tickets finis
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import statistics
@@ -33,7 +32,7 @@ import torch
 
 from hicache.backends import kernels
 from hicache.backends.faults import FaultInjector
-from hicache.backends.pools import DevicePool, HostPool, check_pages
+from hicache.backends.pools import DevicePool, HostPool, check_pages, coalesce
 from hicache.backends.ticket import Ticket
 from hicache.errors import ConfigError, PageOwnershipError
 from hicache.spec.model import Direction
@@ -50,8 +49,9 @@ _Stream: Any = torch.cuda.Stream
 _Event: Any = torch.cuda.Event
 
 
-def is_consecutive(pages: Sequence[int]) -> bool:
-    return all(b == a + 1 for a, b in itertools.pairwise(pages))
+def page_runs(pages: Sequence[int]) -> list[tuple[int, int]]:
+    """``(first, end)`` index ranges over which ``pages`` step by one."""
+    return coalesce(pages, pages)
 
 
 @dataclass(eq=False)
@@ -86,6 +86,7 @@ class TransferEngine:
         backend: TransferBackend = "auto",
         *,
         faults: FaultInjector | None = None,
+        min_run_bytes: int = 256 * 1024,
     ) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ConfigError(f"transfer backend must be auto, triton or torch; got {backend!r}")
@@ -101,6 +102,10 @@ class TransferEngine:
             raise ConfigError("transfer backend 'triton' needs triton and a CUDA device (or TRITON_INTERPRET=1)")
         self.stream: Any = _Stream(device=l1.device) if self.cuda else None
         self.faults = faults or FaultInjector()
+        # Fragmented L2 pages: one DMA per run of consecutive pages when runs average at
+        # least this many bytes (each DMA is then near full speed); otherwise one DMA into
+        # a pinned workspace plus one host index_copy_.
+        self.min_run_bytes = min_run_bytes
         self.gather_backend: str | None = None
         self.scatter_backend: str | None = None
         self.autotune_ms: dict[str, float] = {}
@@ -245,13 +250,15 @@ class TransferEngine:
             ticket._finish(True)
             return ticket
         self._choose()
-        consecutive = is_consecutive(l2_pages)
-        ws, setup = self._acquire(n, needs_host=not consecutive)
+        runs = page_runs(l2_pages)
+        consecutive = len(runs) == 1
+        per_run = not consecutive and n * self.geometry.bytes_per_page >= self.min_run_bytes * len(runs)
+        ws, setup = self._acquire(n, needs_host=not (consecutive or per_run))
         ticket.timings.setup_s = setup
         if direction is Direction.D2H:
-            complete = self._issue_d2h(ticket, ws, l1_pages, l2_pages, consecutive)
+            complete = self._issue_d2h(ticket, ws, l1_pages, l2_pages, runs, per_run)
         else:
-            complete = self._issue_h2d(ticket, ws, l2_pages, l1_pages, consecutive)
+            complete = self._issue_h2d(ticket, ws, l2_pages, l1_pages, runs, per_run)
         fault = self.faults.take("write" if direction is Direction.D2H else "read")
         ticket.timings.enqueue_s = time.perf_counter() - t0
         ticket._check = self._checker(
@@ -291,33 +298,32 @@ class TransferEngine:
         return ids.to(self.l1.device, non_blocking=True) if self.cuda else ids
 
     def _issue_d2h(
-        self, ticket: DeviceTicket, ws: Workspace, src: Sequence[int], dst: Sequence[int], consecutive: bool
+        self,
+        ticket: DeviceTicket,
+        ws: Workspace,
+        src: Sequence[int],
+        dst: Sequence[int],
+        runs: list[tuple[int, int]],
+        per_run: bool,
     ) -> Callable[[], None]:
         n = len(src)
         ids = self._ids(src)  # produced on the caller's current stream
         packed = ws.device[:n]
-        target = self.l2.slabs[dst[0] : dst[0] + n] if consecutive else ws.host[:n]  # type: ignore[index]
-        if not self.cuda:
-            t = time.perf_counter()
+        staged = ws.host[:n] if ws.host is not None and not (len(runs) == 1 or per_run) else None
+
+        def copies() -> None:
             self._run(GATHER, "gather", (self.l1.slabs, ids, packed))
-            target.copy_(packed)
-            ticket.timings.service_s = time.perf_counter() - t
-        else:
-            # NOTE: the transfer stream must see the page ids and pages the caller produced.
-            self.stream.wait_stream(torch.cuda.current_stream(self.l1.device))
-            start, end = _Event(enable_timing=True), _Event(enable_timing=True)
-            with torch.cuda.stream(self.stream):
-                start.record()
-                self._run(GATHER, "gather", (self.l1.slabs, ids, packed))
-                target.copy_(packed, non_blocking=True)
-                end.record()
-            ids.record_stream(self.stream)
-            ticket.event = end
-            ticket.keep = [start, ids, ws]
-        if consecutive:
+            if staged is not None:
+                staged.copy_(packed, non_blocking=self.cuda)
+                return
+            for first, end in runs:  # one DMA per run of consecutive L2 pages (usually one)
+                h = dst[first]
+                self.l2.slabs[h : h + end - first].copy_(packed[first:end], non_blocking=self.cuda)
+
+        self._issue(ticket, copies, [ids, ws])
+        if staged is None:
             return lambda: None
         host_idx = torch.tensor(dst, dtype=torch.int64)
-        staged = ws.host[:n]  # type: ignore[index]
 
         def land() -> None:  # after the DMA: one host-side index_copy_ into the L2 pages
             self.l2.slabs.index_copy_(0, host_idx, staged)
@@ -325,36 +331,53 @@ class TransferEngine:
         return land
 
     def _issue_h2d(
-        self, ticket: DeviceTicket, ws: Workspace, src: Sequence[int], dst: Sequence[int], consecutive: bool
+        self,
+        ticket: DeviceTicket,
+        ws: Workspace,
+        src: Sequence[int],
+        dst: Sequence[int],
+        runs: list[tuple[int, int]],
+        per_run: bool,
     ) -> Callable[[], None]:
         n = len(src)
-        if consecutive:
-            source = self.l2.slabs[src[0] : src[0] + n]
-        else:
-            assert ws.host is not None
-            source = ws.host[:n]
-            torch.index_select(self.l2.slabs, 0, torch.tensor(src, dtype=torch.int64), out=source)
-        ids = self._ids(dst)
         packed = ws.device[:n]
+        staged = None
+        if len(runs) > 1 and not per_run:
+            assert ws.host is not None
+            staged = ws.host[:n]
+            torch.index_select(self.l2.slabs, 0, torch.tensor(src, dtype=torch.int64), out=staged)
+        ids = self._ids(dst)
+
+        def copies() -> None:
+            if staged is not None:
+                packed.copy_(staged, non_blocking=self.cuda)
+            else:
+                for first, end in runs:
+                    h = src[first]
+                    packed[first:end].copy_(self.l2.slabs[h : h + end - first], non_blocking=self.cuda)
+            self._run(SCATTER, "scatter", (packed, ids, self.l1.slabs))
+
+        self._issue(ticket, copies, [ids, ws, staged])
+        return lambda: None
+
+    def _issue(self, ticket: DeviceTicket, copies: Callable[[], None], keep: list[Any]) -> None:
+        """Run ``copies`` synchronously (CPU) or on the transfer stream behind the caller's."""
         if not self.cuda:
             t = time.perf_counter()
-            packed.copy_(source)
-            self._run(SCATTER, "scatter", (packed, ids, self.l1.slabs))
+            copies()
             ticket.timings.service_s = time.perf_counter() - t
-            return lambda: None
-        # NOTE: wait for the caller's stream: it produced the ids (and may still be reading
-        # the destination pages' previous contents).
+            return
+        # NOTE: the transfer stream must see the page ids and pages the caller produced, and
+        # must not overwrite pages the caller's queued work still reads.
         self.stream.wait_stream(torch.cuda.current_stream(self.l1.device))
         start, end = _Event(enable_timing=True), _Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             start.record()
-            packed.copy_(source, non_blocking=True)
-            self._run(SCATTER, "scatter", (packed, ids, self.l1.slabs))
+            copies()
             end.record()
-        ids.record_stream(self.stream)
+        keep[0].record_stream(self.stream)  # the ids tensor came from the caller's stream
         ticket.event = end
-        ticket.keep = [start, ids, ws, source]
-        return lambda: None
+        ticket.keep = [start, *keep]
 
     # -- observability -----------------------------------------------------------------------
 

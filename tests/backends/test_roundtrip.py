@@ -120,3 +120,20 @@ def test_explicit_triton_without_device_raises(monkeypatch: pytest.MonkeyPatch) 
     g = KVGeometry(1, 1, 4, 1, torch.float32)
     with pytest.raises(ConfigError, match="triton"):
         TransferEngine(DevicePool.allocate(g, 2, "cpu"), HostPool(g, 2), "triton")
+
+
+@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40], ids=["dma-per-run", "pinned-workspace"])
+def test_both_fragmented_paths_are_bit_exact(min_run_bytes: int) -> None:
+    """Fragmented L2 pages go either one DMA per run or through the pinned workspace."""
+    dev, host, _, storage = stack(16, torch.bfloat16)
+    engine = TransferEngine(dev, host, "torch", min_run_bytes=min_run_bytes)
+    src, l2_pages, dst = [4, 5, 9, 0, 1], [2, 3, 7, 8, 0], [10, 11, 2, 3, 6]
+    want = [l1_page(dev, p).clone() for p in src]
+    assert engine.d2h(src, l2_pages).wait()
+    for w, h in zip(want, l2_pages, strict=True):
+        assert torch.equal(host.buffer[:, :, h], w)
+    assert engine.h2d(l2_pages, dst).wait()
+    for w, p in zip(want, dst, strict=True):
+        assert torch.equal(l1_page(dev, p), w)
+    assert (engine.status()["workspace_pinned_bytes"] > 0) == (min_run_bytes > 0)
+    storage.close()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hicache.backends.faults import FaultKind
-from hicache.backends.pools import HostPool
-from hicache.backends.storage import StorageBackend, StorageFile, coalesce
+from hicache.backends.pools import HostPool, coalesce
+from hicache.backends.storage import StorageBackend, StorageFile
 from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError, PageOwnershipError
 
@@ -195,3 +195,18 @@ def test_close_cancels_queued_work_without_success() -> None:
     outcomes = [t.wait() for t in tickets]
     assert all(isinstance(o, bool) for o in outcomes)
     assert not all(outcomes) or s.closed
+
+
+def test_chunked_requests_fail_whole_if_one_chunk_fails() -> None:
+    """A request split into parallel chunks fails if any chunk fails, and succeeds bit-exact
+    otherwise."""
+    host = HostPool(G, 8)
+    host.page_buffer.copy_(torch.randn(host.page_buffer.shape).to(G.dtype))
+    s = StorageBackend(StorageFile(G, 8), host, chunk_pages=2)
+    want = host.page_buffer[0:6].clone()
+    assert s.write(list(range(6)), list(range(6))).wait()
+    s.faults.add("corrupt", op="read")
+    assert s.read(list(range(6)), [2, 3, 4, 5, 6, 7]).wait() is False
+    assert s.read(list(range(6)), [2, 3, 4, 5, 6, 7]).wait()
+    assert torch.equal(host.page_buffer[2:8], want)
+    s.close()
