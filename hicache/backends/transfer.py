@@ -294,8 +294,15 @@ class TransferEngine:
         return check
 
     def _ids(self, pages: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor(pages, dtype=torch.int64)
-        return ids.to(self.l1.device, non_blocking=True) if self.cuda else ids
+        """Page ids on the device, uploaded asynchronously on the caller's current stream.
+
+        NOTE: from pinned memory, so the upload never blocks the scheduler thread behind the
+        caller's queued work (a pageable upload would); the transfer stream's wait on the
+        caller's stream is then what orders the kernels after it."""
+        if not self.cuda:
+            return torch.tensor(pages, dtype=torch.int64)
+        staged = torch.tensor(pages, dtype=torch.int64).pin_memory()
+        return staged.to(self.l1.device, non_blocking=True)
 
     def _issue_d2h(
         self,

@@ -42,8 +42,9 @@ def test_round_trip_is_bit_exact(page_size: int, dtype: torch.dtype, case: int) 
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_triton_backends_round_trip(backend: str) -> None:
     """The transfer engine on Triton kernels (interpreted on CPU) moves the same bytes."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU pools need TRITON_INTERPRET=1 (tests/gpu covers Triton on CUDA)")
     dev, _host, engine, storage = stack(2, torch.bfloat16, backend=backend)  # type: ignore[arg-type]
     want = [l1_page(dev, p).clone() for p in (5, 1)]
     assert engine.d2h([5, 1], [7, 3]).wait() and engine.h2d([7, 3], [0, 11]).wait()
