@@ -255,10 +255,16 @@ class TransferEngine:
         per_run = not consecutive and n * self.geometry.bytes_per_page >= self.min_run_bytes * len(runs)
         ws, setup = self._acquire(n, needs_host=not (consecutive or per_run))
         ticket.timings.setup_s = setup
-        if direction is Direction.D2H:
-            complete = self._issue_d2h(ticket, ws, l1_pages, l2_pages, runs, per_run)
-        else:
-            complete = self._issue_h2d(ticket, ws, l2_pages, l1_pages, runs, per_run)
+        try:
+            if direction is Direction.D2H:
+                complete = self._issue_d2h(ticket, ws, l1_pages, l2_pages, runs, per_run)
+            else:
+                complete = self._issue_h2d(ticket, ws, l2_pages, l1_pages, runs, per_run)
+        except BaseException:
+            if self.cuda:  # NOTE: work may already be queued on the stream using ws
+                self.stream.synchronize()
+            self._release(ws)
+            raise
         fault = self.faults.take("write" if direction is Direction.D2H else "read")
         ticket.timings.enqueue_s = time.perf_counter() - t0
         ticket._check = self._checker(

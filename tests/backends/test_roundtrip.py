@@ -138,3 +138,27 @@ def test_both_fragmented_paths_are_bit_exact(min_run_bytes: int) -> None:
         assert torch.equal(l1_page(dev, p), w)
     assert (engine.status()["workspace_pinned_bytes"] > 0) == (min_run_bytes > 0)
     storage.close()
+
+
+def test_triton_failure_falls_back_under_auto_and_raises_when_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: a failing Triton kernel is replaced by torch with a warning, bytes still right;
+    an explicit 'triton' backend raises instead of silently degrading."""
+    from hicache.backends import transfer
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("triton compile failed")
+
+    monkeypatch.setitem(transfer.GATHER, "triton", broken)
+    dev, host, _, storage = stack(2, torch.float32)
+    auto = TransferEngine(dev, host, "torch")
+    auto.requested, auto.gather_backend, auto.scatter_backend = "auto", "triton", "torch"
+    want = l1_page(dev, 3).clone()
+    with pytest.warns(RuntimeWarning, match="falling back to torch"):
+        assert auto.d2h([3], [0]).wait()
+    assert auto.gather_backend == "torch" and torch.equal(host.buffer[:, :, 0], want)
+    strict = TransferEngine(dev, host, "torch")
+    strict.requested, strict.gather_backend, strict.scatter_backend = "triton", "triton", "torch"
+    with pytest.raises(RuntimeError, match="compile failed"):
+        strict.d2h([3], [1])
+    assert not any(w.busy for w in strict.workspaces), "a failed issue leaked its workspace"
+    storage.close()

@@ -82,9 +82,11 @@ RACE = """
 import torch
 from tests.gpu.test_transfer_gpu import SLEEP_CYCLES, make
 dev, host, engine = make(16, "triton")
+engine.d2h([20, 21, 22, 23], [30, 31, 32, 33]).wait()  # warm-up: kernel JIT and same-size allocations would sync
 engine.stream.wait_stream = lambda other: None  # the seed's bug: no wait on the caller
 fresh = torch.randn(dev.buffer[:, :, 5:9].shape, device="cuda").to(dev.geometry.dtype)
-torch.cuda._sleep(SLEEP_CYCLES)
+torch.cuda.synchronize()
+torch.cuda._sleep(10 * SLEEP_CYCLES)
 dev.buffer[:, :, 5:9].copy_(fresh)
 engine.d2h([5, 6, 7, 8], [0, 1, 2, 3]).wait()
 torch.cuda.synchronize()
