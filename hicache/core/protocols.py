@@ -1,0 +1,57 @@
+"""What the controller needs from backends (``hicache.backends`` implements these)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+class TimingsLike(Protocol):
+    enqueue_s: float
+    setup_s: float
+    queue_s: float
+    service_s: float
+    complete_s: float
+    total_s: float
+
+    @property
+    def recurring_s(self) -> float: ...
+
+
+class TicketLike(Protocol):
+    """An asynchronous copy: ``poll()`` without blocking, ``wait()`` blocking; ``ok`` is
+    None while pending; a failed ticket published nothing."""
+
+    ok: bool | None
+    error: str | None
+    nbytes: int
+    extents: int
+
+    @property
+    def timings(self) -> TimingsLike: ...
+
+    def poll(self) -> bool: ...
+
+    def wait(self) -> bool: ...
+
+
+class DeviceMover(Protocol):
+    """L1 <-> L2 (``TransferEngine``)."""
+
+    def d2h(self, src: Sequence[int], dst: Sequence[int]) -> TicketLike: ...
+
+    def h2d(self, src: Sequence[int], dst: Sequence[int]) -> TicketLike: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class StorageMover(Protocol):
+    """L2 <-> L3 (``StorageBackend``)."""
+
+    def write(self, host_pages: Sequence[int], slots: Sequence[int]) -> TicketLike: ...
+
+    def read(self, slots: Sequence[int], host_pages: Sequence[int]) -> TicketLike: ...
+
+    def close(self, *, wait: bool = True) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...

@@ -1,0 +1,86 @@
+"""``HiCache``: the one object an engine embeds. The only module that knows both the core
+and the concrete backends; it wires them from a :class:`HiCacheConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache.backends.faults import FaultInjector
+from hicache.backends.pools import DevicePool, HostPool
+from hicache.backends.storage import StorageBackend, StorageFile
+from hicache.backends.transfer import TransferBackend, TransferEngine
+from hicache.core.cache import CacheCore
+from hicache.core.controller import Controller, WritePolicy
+from hicache.core.cost import CostModel, CostPriors, Policy
+from hicache.core.geometry import KVGeometry, TierSizes
+from hicache.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """Everything an engine chooses. L2/L3 of 0 pages disable that tier."""
+
+    geometry: KVGeometry
+    l1_pages: int
+    l2_pages: int = 0
+    l3_pages: int = 0
+    storage_path: str | None = None  # None: an unnamed 0600 file that vanishes with us
+    storage_direct: bool = False
+    storage_workers: int = 4
+    checksums: bool = True
+    transfer_backend: TransferBackend = "auto"
+    policy: Policy | str = Policy.COST
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+    selective_hits: int = 2
+    priors: CostPriors = field(default_factory=CostPriors)
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    tracing: bool = False  # check every state change against the spec (tests)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.geometry, KVGeometry):
+            raise ConfigError(f"geometry must be a KVGeometry, got {self.geometry!r}")
+        TierSizes(self.l1_pages, self.l2_pages, self.l3_pages)  # validates the sizes
+        if self.l3_pages and not self.l2_pages:
+            raise ConfigError("L3 needs L2 (pages reach the file through host memory): set l2_pages")
+        if self.transfer_backend not in ("auto", "triton", "torch"):
+            raise ConfigError(f"transfer_backend must be auto, triton or torch, got {self.transfer_backend!r}")
+
+
+class HiCache(Controller):
+    """A :class:`Controller` over real pools: L1 (the engine's tensor, or one we allocate),
+    pinned L2, and an L3 file."""
+
+    def __init__(self, config: HiCacheConfig, l1_buffer: torch.Tensor | None = None) -> None:
+        g = config.geometry
+        self.config = config
+        self.faults = FaultInjector()
+        l1 = (
+            DevicePool(g, l1_buffer)
+            if l1_buffer is not None
+            else DevicePool.allocate(g, config.l1_pages, config.device)
+        )
+        if l1.num_pages != config.l1_pages:
+            raise ConfigError(f"L1 tensor has {l1.num_pages} pages, config says {config.l1_pages}")
+        self.l1 = l1
+        self.l2 = HostPool(g, max(1, config.l2_pages))
+        engine = TransferEngine(l1, self.l2, config.transfer_backend, faults=self.faults)
+        storage = None
+        if config.l3_pages:
+            file = StorageFile(g, config.l3_pages, config.storage_path, direct=config.storage_direct)
+            storage = StorageBackend(
+                file, self.l2, workers=config.storage_workers, checksums=config.checksums, faults=self.faults
+            )
+        core = CacheCore(
+            g.page_size, TierSizes(config.l1_pages, config.l2_pages, config.l3_pages), tracing=config.tracing
+        )
+        super().__init__(
+            core,
+            engine,
+            storage,
+            CostModel(g.bytes_per_token, config.priors, config.policy),
+            write_policy=config.write_policy,
+            selective_hits=config.selective_hits,
+            bytes_per_page=g.bytes_per_page,
+        )

@@ -1,0 +1,233 @@
+"""The controller over real CPU backends (L2 in memory, L3 a real temporary file)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hicache import HiCache, HiCacheConfig
+from hicache.core.controller import Request
+from hicache.core.cost import CostPriors
+from hicache.core.geometry import KVGeometry
+from hicache.errors import ConfigError, HandleError, MisuseError
+from hicache.spec.model import Tier
+
+G = KVGeometry(2, 2, 8, 2, torch.float32)
+
+
+def make(**kw: object) -> HiCache:
+    cfg = dict(geometry=G, l1_pages=8, l2_pages=8, l3_pages=16, policy="always", tracing=True, device="cpu")
+    cfg.update(kw)
+    return HiCache(HiCacheConfig(**cfg))  # type: ignore[arg-type]
+
+
+def prefill(c: HiCache, tokens: list[int]) -> tuple[Request, torch.Tensor]:
+    """Admit, allocate, 'compute' random KV into the private pages, insert."""
+    req = c.admit(tokens)
+    n = len(tokens) // G.page_size - req.cached_len // G.page_size
+    pages = c.allocate(req, n)
+    assert pages is not None
+    c.l1.buffer[:, :, pages] = torch.randn(c.l1.buffer[:, :, pages].shape)
+    c.insert(req, pages)
+    return req, c.l1.buffer[:, :, c.prefix_pages(req)].clone()
+
+
+def drain(c: HiCache) -> None:
+    for _ in range(1000):
+        c.poll()
+        if not c.status()["pending_backups"] and not c.status()["pending_restores"]:
+            return
+        threading.Event().wait(0.001)
+    raise AssertionError("transfers never finished")
+
+
+def evict_all(c: HiCache, *tiers: Tier) -> None:
+    for t in tiers:
+        c.core.evict(t, 10**6)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("tier", [Tier.L2, Tier.L3])
+def test_restore_is_bit_exact_and_published_before_use(tier: Tier, blocking: bool) -> None:
+    c = make()
+    tokens = list(range(10))
+    req, kv = prefill(c, tokens)
+    c.release(req)
+    drain(c)
+    assert c.core.match(tokens).lengths == (10, 10, 10)
+    evict_all(c, Tier.L1, *([Tier.L2] if tier is Tier.L3 else []))
+    req = c.admit(tokens)
+    assert req.cached_len == 0
+    plan = c.plan(req)
+    assert plan.tier is tier and plan.tokens == 10
+    if blocking:
+        assert c.restore(req, plan)
+    else:
+        pending = c.start_restore(req, plan)
+        assert pending is not None and req.cached_len == 0  # nothing usable before publish
+        while not pending.finished:
+            c.poll()
+        assert pending.stage == "done"
+    assert req.cached_len == 10
+    assert torch.equal(c.l1.buffer[:, :, c.prefix_pages(req)], kv)
+    assert c.metrics.hit_tokens[tier.name] == 10 and c.metrics.restores == 1
+    if tier is Tier.L3:
+        assert c.metrics.promotions >= 1
+    c.check_integrity()
+    c.release(req)
+    c.close()
+
+
+def test_l3_promotion_stays_with_the_tree_when_h2d_cannot_start() -> None:
+    """The seed's second bug: after the S2H is published, failing to get L1 pages for the
+    H2D must not hand the promoted L2 pages back to the free list."""
+    c = make()
+    tokens = list(range(8))
+    req, _ = prefill(c, tokens)
+    c.release(req)
+    drain(c)
+    evict_all(c, Tier.L1, Tier.L2)
+    blocker = c.admit([99] * 16)  # pins every L1 page so no H2D destination can be found
+    assert c.allocate(blocker, 8) is not None
+    req = c.admit(tokens)
+    pending = c.start_restore(req, c.plan(req))
+    assert pending is not None
+    while not pending.finished:
+        c.poll()
+    assert pending.stage == "failed" and "L1" in (pending.error or "")
+    assert c.metrics.fallbacks == 1 and req.cached_len == 0
+    assert c.core.match(tokens).lengths == (0, 8, 8)  # promoted L2 copy kept by the tree
+    c.check_integrity()
+    c.release(blocker)
+    c.release(req)
+    c.check_integrity()
+    c.close()
+
+
+def test_abort_mid_restore_leaks_nothing() -> None:
+    c = make()
+    tokens = list(range(12))
+    req, _kv = prefill(c, tokens)
+    c.release(req)
+    drain(c)
+    evict_all(c, Tier.L1, Tier.L2)
+    c.faults.add("slow", op="read", delay_s=0.05)
+    req = c.admit(tokens)
+    pending = c.start_restore(req, c.plan(req))
+    assert pending is not None
+    stage_at_start = pending.stage
+    c.release(req)  # abort while the S2H is in flight
+    drain(c)
+    assert (stage_at_start, pending.finished, pending.stage) == ("s2h", True, "cancelled")
+    st = c.status()["core"]
+    assert st["leases"] == 0 and st["tiers"][0]["private"] == 0
+    assert all(t["in_flight"] == 0 for t in st["tiers"])
+    c.check_integrity()
+    c.close()
+
+
+@pytest.mark.parametrize("kind", ["eio", "corrupt", "eof"])
+def test_failed_read_falls_back_to_recompute(kind: str) -> None:
+    c = make()
+    tokens = list(range(8))
+    req, _ = prefill(c, tokens)
+    c.release(req)
+    drain(c)
+    evict_all(c, Tier.L1, Tier.L2)
+    c.faults.add(kind, op="read")  # type: ignore[arg-type]
+    req = c.admit(tokens)
+    assert not c.restore(req, c.plan(req))
+    assert req.cached_len == 0 and c.metrics.fallbacks == 1
+    assert c.metrics.directions["S2H"].failed == 1
+    c.check_integrity()
+    n = len(tokens) // G.page_size
+    pages = c.allocate(req, n)  # the request recomputes
+    assert pages is not None and c.insert(req, pages) == 8
+    c.release(req)
+    c.close()
+
+
+def test_write_through_reaches_l3_and_skips_when_no_room() -> None:
+    c = make(l2_pages=2, l3_pages=4)
+    req, _ = prefill(c, list(range(4)))  # 2 pages: fits L2
+    drain(c)
+    assert c.core.match(list(range(4))).lengths == (4, 4, 4)
+    req2, _ = prefill(c, [7] * 8)  # 4 pages: L2 (2 pages, pinned by nothing) cannot hold it
+    drain(c)
+    assert c.metrics.backups_skipped >= 1
+    c.release(req)
+    c.release(req2)
+    c.check_integrity()
+    c.close()
+
+
+def test_never_policy_restores_nothing_and_counts_the_skip() -> None:
+    c = make(policy="never")
+    tokens = list(range(8))
+    req, _ = prefill(c, tokens)
+    c.release(req)
+    drain(c)
+    evict_all(c, Tier.L1)
+    req = c.admit(tokens)
+    assert c.start_restore(req) is None and c.metrics.policy_skips == 1
+    c.release(req)
+    c.close()
+
+
+def test_cost_policy_recomputes_when_cheaper() -> None:
+    c = make(policy="cost", priors=CostPriors(recompute_s_per_token=1e-12))
+    tokens = list(range(8))
+    req, _ = prefill(c, tokens)
+    c.release(req)
+    drain(c)
+    evict_all(c, Tier.L1)
+    req = c.admit(tokens)
+    assert c.plan(req).tier is Tier.L1
+    c.release(req)
+    c.close()
+
+
+def test_contract_errors() -> None:
+    c = make()
+    req = c.admit([1, 2, 3, 4])
+    with pytest.raises(MisuseError, match="private pages"):
+        c.insert(req, [0])  # type: ignore[list-item]
+    c.release(req)
+    with pytest.raises(HandleError):
+        c.release(req)
+    errors: list[BaseException] = []
+
+    def other_thread() -> None:
+        try:
+            c.admit([1, 2])
+        except MisuseError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert errors and "single-threaded" in str(errors[0])
+    c.close()
+    with pytest.raises(MisuseError, match="closed"):
+        c.admit([1, 2])
+    with pytest.raises(ConfigError, match="write_policy"):
+        make(write_policy="sometimes")
+    with pytest.raises(ConfigError, match="L3 needs L2"):
+        make(l2_pages=0)
+
+
+def test_status_and_prometheus() -> None:
+    c = make()
+    req, _ = prefill(c, list(range(8)))
+    drain(c)
+    st = c.status()
+    assert st["core"]["tiers"][1]["capacity"] == 8
+    assert st["metrics"]["directions"]["D2H"]["count"] == 1
+    assert set(st["cost_model"]) >= {"policy", "recompute", "H2D", "S2H"}
+    text = c.prometheus()
+    assert 'hicache_transfers{direction="D2H"} 1.0' in text
+    assert "hicache_hit_tokens" in text
+    c.release(req)
+    c.close()
