@@ -47,6 +47,7 @@ from hicache.spec.model import Direction, Tier
 class WritePolicy(StrEnum):
     WRITE_THROUGH = "write_through"  # back up every inserted prefix (default)
     SELECTIVE = "write_through_selective"  # back up a prefix once it was hit N times
+    WRITE_BACK = "write_back"  # back up a prefix when it is evicted from L1 (synchronously)
 
 
 @dataclass(eq=False)
@@ -178,7 +179,7 @@ class Controller:
         None, changing nothing, if no room can be made."""
         self._enter()
         self._live(req)
-        if not self.core.ensure_free(Tier.L1, n):
+        if not self._ensure_free(Tier.L1, n):
             return None
         pages = self.core.allocate_l1(n)
         if pages is not None:
@@ -300,7 +301,7 @@ class Controller:
         if not node.alive or not core.can_start(direction, node):
             return False
         need = sum(len(n.pages[direction.source] or ()) for n in core.segment(direction, node))
-        if not core.ensure_free(direction.target, need):
+        if not self._ensure_free(direction.target, need):
             return False
         transfer = core.start(direction, node)
         if transfer is None:
@@ -312,6 +313,29 @@ class Controller:
             raise
         self._jobs[transfer.id] = _Job(transfer, ticket, restore)
         return True
+
+    def _ensure_free(self, tier: Tier, n: int) -> bool:
+        """Evict in ``tier`` until ``n`` pages are free. Under write_back, an L1 victim
+        without an L2 copy is first backed up (D2H, waited for) so its prefix survives."""
+        core = self.core
+        if tier is not Tier.L1 or self.write_policy is not WritePolicy.WRITE_BACK or not core.sizes.l2_pages:
+            return core.ensure_free(tier, n)
+        if not core.can_make_room(tier, n):
+            return False
+        while core.l1.num_free < n:
+            victim = core.tree.pop_lru(Tier.L1)
+            if victim is None:
+                break
+            core.tree.push_candidate(victim, Tier.L1)  # pop_lru took it out of the index
+            if not victim.has(Tier.L2) and core.can_start(Direction.D2H, victim):
+                if self._start(Direction.D2H, victim, None):
+                    job = next(j for j in self._jobs.values() if victim in j.transfer.nodes)
+                    job.ticket.wait()
+                    self._finish(job)
+                else:
+                    self.metrics.backups_skipped += 1
+            core.evict(Tier.L1, n - core.l1.num_free)
+        return core.l1.num_free >= n
 
     def _backup(self, node: Node) -> None:
         if not self.core.sizes.l2_pages or not node.alive:

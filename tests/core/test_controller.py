@@ -231,3 +231,37 @@ def test_status_and_prometheus() -> None:
     assert "hicache_hit_tokens" in text
     c.release(req)
     c.close()
+
+
+def test_write_back_backs_up_only_when_evicted_from_l1() -> None:
+    c = make(write_policy="write_back", l1_pages=4)
+    tokens = list(range(8))  # 4 pages: fills L1
+    req, kv = prefill(c, tokens)
+    drain(c)
+    assert c.core.match(tokens).lengths == (8, 0, 0)  # nothing backed up at insert
+    c.release(req)
+    other = c.admit([9] * 4)
+    assert c.allocate(other, 2) is not None  # L1 pressure: the victim goes to L2 first
+    assert c.core.match(tokens).lengths[1] > 0
+    c.release(other)
+    evict_all(c, Tier.L1)
+    req = c.admit(tokens)
+    assert c.restore(req, c.plan(req)) and req.cached_len > 0
+    assert torch.equal(c.l1.buffer[:, :, c.prefix_pages(req)], kv[:, :, : req.cached_len // G.page_size])
+    c.check_integrity()
+    c.release(req)
+    c.close()
+
+
+def test_selective_write_through_waits_for_repeat_hits() -> None:
+    c = make(write_policy="write_through_selective", selective_hits=2)
+    tokens = list(range(8))
+    req, _ = prefill(c, tokens)
+    drain(c)
+    assert c.core.match(tokens).lengths[1] == 0
+    c.release(req)
+    for _ in range(2):
+        c.release(c.admit(tokens))
+    drain(c)
+    assert c.core.match(tokens).lengths == (8, 8, 8)
+    c.close()
