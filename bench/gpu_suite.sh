@@ -17,6 +17,8 @@ echo "== GPU tests"
 python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/gpu tests/backends > "$OUT/gpu_tests.txt" 2>&1
 grep -E "PASSED|FAILED|ERROR|passed|failed|Fatal|Segmentation|^tests" "$OUT/gpu_tests.txt" | grep -v PASSED | tail -20
 grep -B2 -A12 "Fatal Python error" "$OUT/gpu_tests.txt" | grep -E "File .*(hicache|tests)/" | head -10
+echo "== bench/race_demo.py (the stream race the engine's wait prevents)"
+python3 bench/race_demo.py --trials 5
 echo "== bench/transfer.py"
 python3 bench/transfer.py --out "$OUT" 2>&1 | tail -14
 echo "== bench/storage.py"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hicache import HiCache, HiCacheConfig
+from hicache.backends.transfer import TransferBackend
 from hicache.core.geometry import KVGeometry
 from hicache.spec.model import Tier
 
@@ -15,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("blocking", [True, False])
 @pytest.mark.parametrize("page_size", [1, 2, 16])
-def test_restore_from_l3_on_cuda(page_size: int, blocking: bool, backend: str) -> None:
+def test_restore_from_l3_on_cuda(page_size: int, blocking: bool, backend: TransferBackend) -> None:
     g = KVGeometry(4, 2, 64, page_size, torch.bfloat16)
     tokens = list(range(96))
     pages = len(tokens) // page_size
@@ -30,7 +31,7 @@ def test_restore_from_l3_on_cuda(page_size: int, blocking: bool, backend: str) -
             tracing=True,
             transfer_backend=backend,
         )
-    )  # type: ignore[arg-type]
+    )
     req = c.admit(tokens)
     own = c.allocate(req, pages)
     assert own is not None
