@@ -48,6 +48,16 @@ def evict_all(c: HiCache, *tiers: Tier) -> None:
         c.core.evict(t, 10**6)
 
 
+def cached(c: HiCache, tokens: list[int], *drop: Tier) -> torch.Tensor:
+    """Prefill ``tokens``, write them through to L3, release, then drop the given tiers.
+    Returns the KV pages as computed."""
+    req, kv = prefill(c, tokens)
+    c.release(req)
+    drain(c)
+    evict_all(c, *drop)
+    return kv
+
+
 @pytest.mark.parametrize("blocking", [True, False])
 @pytest.mark.parametrize("tier", [Tier.L2, Tier.L3])
 def test_restore_is_bit_exact_and_published_before_use(tier: Tier, blocking: bool) -> None:
@@ -85,10 +95,7 @@ def test_l3_promotion_stays_with_the_tree_when_h2d_cannot_start() -> None:
     H2D must not hand the promoted L2 pages back to the free list."""
     c = make()
     tokens = list(range(8))
-    req, _ = prefill(c, tokens)
-    c.release(req)
-    drain(c)
-    evict_all(c, Tier.L1, Tier.L2)
+    cached(c, tokens, Tier.L1, Tier.L2)
     blocker = c.admit([99] * 16)  # pins every L1 page so no H2D destination can be found
     assert c.allocate(blocker, 8) is not None
     req = c.admit(tokens)
@@ -132,10 +139,7 @@ def test_abort_mid_restore_leaks_nothing() -> None:
 def test_failed_read_falls_back_to_recompute(kind: str) -> None:
     c = make()
     tokens = list(range(8))
-    req, _ = prefill(c, tokens)
-    c.release(req)
-    drain(c)
-    evict_all(c, Tier.L1, Tier.L2)
+    cached(c, tokens, Tier.L1, Tier.L2)
     c.faults.add(kind, op="read")  # type: ignore[arg-type]
     req = c.admit(tokens)
     assert not c.restore(req, c.plan(req))
@@ -166,10 +170,7 @@ def test_write_through_reaches_l3_and_skips_when_no_room() -> None:
 def test_never_policy_restores_nothing_and_counts_the_skip() -> None:
     c = make(policy="never")
     tokens = list(range(8))
-    req, _ = prefill(c, tokens)
-    c.release(req)
-    drain(c)
-    evict_all(c, Tier.L1)
+    cached(c, tokens, Tier.L1)
     req = c.admit(tokens)
     assert c.start_restore(req) is None and c.metrics.policy_skips == 1
     c.release(req)
@@ -179,10 +180,7 @@ def test_never_policy_restores_nothing_and_counts_the_skip() -> None:
 def test_cost_policy_recomputes_when_cheaper() -> None:
     c = make(policy="cost", priors=CostPriors(recompute_s_per_token=1e-12))
     tokens = list(range(8))
-    req, _ = prefill(c, tokens)
-    c.release(req)
-    drain(c)
-    evict_all(c, Tier.L1)
+    cached(c, tokens, Tier.L1)
     req = c.admit(tokens)
     assert c.plan(req).tier is Tier.L1
     c.release(req)
