@@ -1,6 +1,7 @@
 """Show the stream race the transfer engine's ``wait_stream`` prevents (the seed's bug).
 
-Each trial runs in a fresh process (a racing kernel can read page ids before they arrive
+The caller works on its own non-default stream, as engines do (on the legacy default
+stream the driver would order the two implicitly). Each trial runs in a fresh process (a racing kernel can read page ids before they arrive
 and fault, which kills the CUDA context): the caller's stream writes L1 pages behind a long
 kernel, then asks for a D2H at once. With the wait the D2H must see the new pages; without
 it, it may read stale pages or garbage ids. Prints the outcome of each trial.
@@ -24,9 +25,11 @@ if sys.argv[1] == "no-wait":
     engine.stream.wait_stream = lambda other: None
 fresh = torch.randn(dev.buffer[:, :, 5:9].shape, device="cuda").to(dev.geometry.dtype)
 torch.cuda.synchronize()
-torch.cuda._sleep(10 * SLEEP_CYCLES)
-dev.buffer[:, :, 5:9].copy_(fresh)
-engine.d2h([5, 6, 7, 8], [0, 1, 2, 3]).wait()
+with torch.cuda.stream(torch.cuda.Stream()):  # an engine's own (non-default) stream
+    torch.cuda._sleep(SLEEP_CYCLES)
+    dev.buffer[:, :, 5:9].copy_(fresh)
+    ticket = engine.d2h([5, 6, 7, 8], [0, 1, 2, 3])
+ticket.wait()
 torch.cuda.synchronize()
 print("FRESH" if torch.equal(host.buffer[:, :, 0:4], fresh.cpu()) else "STALE")
 """

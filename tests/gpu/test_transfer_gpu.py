@@ -53,26 +53,35 @@ def test_cuda_round_trip_through_l3(backend: TransferBackend, page_size: int, fr
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_d2h_waits_for_pages_the_caller_just_wrote(backend: TransferBackend) -> None:
-    """The caller's stream writes L1 pages after a long kernel, then asks for D2H at once:
-    the transfer stream must wait (the seed's stream bug)."""
+    """The caller's stream (a non-default one, as engines use: nothing implicit orders it
+    with ours) writes L1 pages after a long kernel, then asks for D2H at once: the transfer
+    stream must wait (the seed's stream bug)."""
     dev, host, engine = make(16, backend)
+    engine.d2h([20, 21, 22, 23], [30, 31, 32, 33]).wait()  # warm-up: JIT and same-size buffers
     fresh = torch.randn(dev.buffer[:, :, 5:9].shape, device="cuda").to(dev.geometry.dtype)
-    torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-    dev.buffer[:, :, 5:9].copy_(fresh)  # queued on the caller's stream behind the sleep
-    assert engine.d2h([5, 6, 7, 8], [0, 1, 2, 3]).wait()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        dev.buffer[:, :, 5:9].copy_(fresh)  # queued on the caller's stream behind the sleep
+        ticket = engine.d2h([5, 6, 7, 8], [0, 1, 2, 3])
+    assert ticket.wait()
     assert torch.equal(host.buffer[:, :, 0:4], fresh.cpu())
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_h2d_waits_for_the_callers_reads_of_old_pages(backend: TransferBackend) -> None:
-    """The caller still reads a page (behind a long kernel) when it asks to overwrite it by
-    H2D: the read must see the old contents."""
+    """The caller still reads a page (behind a long kernel, on its own stream) when it asks
+    to overwrite it by H2D: the read must see the old contents."""
     dev, host, engine = make(16, backend)
+    engine.h2d([11], [4]).wait()  # warm-up
     old = dev.buffer[:, :, 3].clone()
-    torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-    snapshot = dev.buffer[:, :, 3].clone()  # queued behind the sleep
-    ticket = engine.h2d([10], [3])
-    ticket.wait_on_current_stream()
+    torch.cuda.synchronize()
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        snapshot = dev.buffer[:, :, 3].clone()  # queued behind the sleep
+        ticket = engine.h2d([10], [3])
+        ticket.wait_on_current_stream()
     torch.cuda.synchronize()
     assert torch.equal(snapshot, old)
     assert torch.equal(dev.buffer[:, :, 3].cpu(), host.buffer[:, :, 10])
