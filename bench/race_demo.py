@@ -1,7 +1,8 @@
 """Show the stream race the transfer engine's ``wait_stream`` prevents (the seed's bug).
 
 The caller works on its own non-default stream, as engines do (on the legacy default
-stream the driver would order the two implicitly). Each trial runs in a fresh process (a racing kernel can read page ids before they arrive
+stream the driver would order the two implicitly). Each trial runs in a fresh process
+(a racing kernel can read page ids before they arrive
 and fault, which kills the CUDA context): the caller's stream writes L1 pages behind a long
 kernel, then asks for a D2H at once. With the wait the D2H must see the new pages; without
 it, it may read stale pages or garbage ids. Prints the outcome of each trial.
