@@ -44,6 +44,10 @@ class HiCacheConfig:
         TierSizes(self.l1_pages, self.l2_pages, self.l3_pages)  # validates the sizes
         if self.l3_pages and not self.l2_pages:
             raise ConfigError("L3 needs L2 (pages reach the file through host memory): set l2_pages")
+        for name, kind in (("policy", Policy), ("write_policy", WritePolicy)):
+            value = getattr(self, name)
+            if value not in {k.value for k in kind}:
+                raise ConfigError(f"{name} must be one of {[k.value for k in kind]}, got {value!r}")
         if self.transfer_backend not in ("auto", "triton", "torch"):
             raise ConfigError(f"transfer_backend must be auto, triton or torch, got {self.transfer_backend!r}")
 
@@ -56,6 +60,8 @@ class HiCache(Controller):
         g = config.geometry
         self.config = config
         self.faults = FaultInjector()
+        if l1_buffer is not None and l1_buffer.device.type != torch.device(config.device).type:
+            raise ConfigError(f"L1 tensor is on {l1_buffer.device}, config.device is {config.device!r}")
         l1 = (
             DevicePool(g, l1_buffer)
             if l1_buffer is not None

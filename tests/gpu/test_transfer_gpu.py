@@ -60,7 +60,7 @@ def test_d2h_waits_for_pages_the_caller_just_wrote(backend: TransferBackend) -> 
     engine.d2h([20, 21, 22, 23], [30, 31, 32, 33]).wait()  # warm-up: JIT and same-size buffers
     fresh = torch.randn(dev.buffer[:, :, 5:9].shape, device="cuda").to(dev.geometry.dtype)
     torch.cuda.synchronize()
-    with torch.cuda.stream(torch.cuda.Stream()):
+    with torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]
         torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
         dev.buffer[:, :, 5:9].copy_(fresh)  # queued on the caller's stream behind the sleep
         ticket = engine.d2h([5, 6, 7, 8], [0, 1, 2, 3])
@@ -76,7 +76,7 @@ def test_h2d_waits_for_the_callers_reads_of_old_pages(backend: TransferBackend) 
     engine.h2d([11], [4]).wait()  # warm-up
     old = dev.buffer[:, :, 3].clone()
     torch.cuda.synchronize()
-    caller = torch.cuda.Stream()
+    caller = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with torch.cuda.stream(caller):
         torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
         snapshot = dev.buffer[:, :, 3].clone()  # queued behind the sleep

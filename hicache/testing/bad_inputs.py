@@ -1,0 +1,262 @@
+"""The catalogue of bad inputs and the typed error each gets (docs/RELIABILITY.md).
+
+Each entry builds a fresh object, feeds it one bad value and expects a ``HiCacheError``
+subclass whose message names the value; for stateful objects, the state after the refusal
+must equal the state before it. ``python -m hicache.testing.bad_inputs`` prints the table.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from hicache.backends.pools import DevicePool, HostPool
+from hicache.backends.storage import StorageBackend, StorageFile
+from hicache.backends.transfer import TransferEngine
+from hicache.core.cache import CacheCore
+from hicache.core.geometry import DevicePage, KVGeometry, TierSizes
+from hicache.errors import (
+    ConfigError,
+    HandleError,
+    HiCacheError,
+    MisuseError,
+    PageOwnershipError,
+)
+from hicache.facade import HiCache, HiCacheConfig
+from hicache.spec.model import Tier
+
+G = KVGeometry(2, 2, 8, 2, torch.float32)
+
+
+@dataclass(frozen=True)
+class BadInput:
+    area: str
+    what: str
+    run: Callable[[], Any]  # must raise
+    error: type[HiCacheError]
+    message: str  # a fragment the message must contain
+    state: Callable[[], Any] | None = None  # snapshot taken before and after, must be equal
+
+
+def _core() -> CacheCore:
+    core = CacheCore(2, TierSizes(8, 8, 8))
+    pages = core.allocate_l1(2)
+    assert pages is not None
+    core.insert((1, 2, 3, 4), pages)
+    return core
+
+
+def _cache() -> HiCache:
+    return HiCache(HiCacheConfig(G, l1_pages=8, l2_pages=8, l3_pages=8, device="cpu", transfer_backend="torch"))
+
+
+def _released_lease() -> tuple[CacheCore, Any]:
+    core = _core()
+    lease = core.lock(core.match((1, 2, 3, 4)).l1)
+    core.release(lease)
+    return core, lease
+
+
+def _closed() -> HiCache:
+    c = _cache()
+    c.close()
+    return c
+
+
+def _symlink() -> str:
+    d = tempfile.mkdtemp()
+    Path(d, "real").write_bytes(b"")
+    os.symlink(Path(d, "real"), Path(d, "link"))
+    return str(Path(d, "link"))
+
+
+def catalogue() -> list[BadInput]:
+    core = _core()
+    snap = core.snapshot
+    cache = _cache()
+    released_core, released = _released_lease()
+    host = HostPool(G, 4)
+    dev = DevicePool.allocate(G, 4, "cpu")
+    engine = TransferEngine(dev, host, "torch")
+    storage = StorageBackend(StorageFile(G, 4), host)
+    closed = _closed()
+    req = cache.admit([1, 2, 3, 4])
+    cache.release(req)
+    return [
+        BadInput("geometry", "num_layers = 0", lambda: KVGeometry(0, 2, 8, 2), ConfigError, "num_layers"),
+        BadInput("geometry", "head_dim = -8", lambda: KVGeometry(2, 2, -8, 2), ConfigError, "-8"),
+        BadInput("geometry", "page_size = 2.5", lambda: KVGeometry(2, 2, 8, 2.5), ConfigError, "2.5"),  # type: ignore[arg-type]
+        BadInput(
+            "geometry",
+            "dtype int8 (quantized KV)",
+            lambda: KVGeometry(2, 2, 8, 2, torch.int8),
+            ConfigError,
+            "quantized",
+        ),
+        BadInput("sizes", "l1_pages = 0", lambda: TierSizes(0), ConfigError, "l1_pages"),
+        BadInput(
+            "sizes", "L3 without L2", lambda: HiCacheConfig(G, l1_pages=4, l3_pages=4), ConfigError, "L3 needs L2"
+        ),
+        BadInput(
+            "pool",
+            "L1 tensor of the wrong shape",
+            lambda: DevicePool(G, torch.zeros(2, 3, 4, 2, 2, 8)),
+            ConfigError,
+            "does not match",
+        ),
+        BadInput(
+            "pool",
+            "L1 tensor of the wrong dtype",
+            lambda: DevicePool(G, torch.zeros(2, 2, 4, 2, 2, 8, dtype=torch.float16)),
+            ConfigError,
+            "float16",
+        ),
+        BadInput(
+            "pool",
+            "L1 tensor not contiguous",
+            lambda: DevicePool(G, torch.zeros(2, 2, 2, 2, 4, 8).transpose(2, 4)),
+            ConfigError,
+            "contiguous",
+        ),
+        BadInput(
+            "pool",
+            "MLA-style latent buffers",
+            lambda: DevicePool(G, cast(Any, [torch.zeros(4, 2, 8), torch.zeros(4, 2, 4)])),
+            ConfigError,
+            "MLA",
+        ),
+        BadInput(
+            "pool",
+            "quantized (uint8) L1 pool",
+            lambda: DevicePool(G, torch.zeros(2, 2, 4, 2, 2, 8, dtype=torch.uint8)),
+            ConfigError,
+            "quantized",
+        ),
+        BadInput(
+            "pool",
+            "L1 tensor on another device than configured",
+            lambda: HiCache(HiCacheConfig(G, l1_pages=4, device="cuda:0"), torch.zeros(2, 2, 4, 2, 2, 8)),
+            ConfigError,
+            "cuda:0",
+        ),
+        BadInput("tokens", "empty", lambda: core.match([]), MisuseError, "empty", snap),
+        BadInput("tokens", "floats", lambda: core.match([1.5, 2.0]), MisuseError, "1.5", snap),
+        BadInput(
+            "tokens", "2-D tensor", lambda: core.match(torch.zeros(2, 2, dtype=torch.long)), MisuseError, "(2, 2)", snap
+        ),
+        BadInput("tokens", "float tensor", lambda: core.match(torch.zeros(4)), MisuseError, "float32", snap),
+        BadInput("tokens", "a string", lambda: core.match("hello"), MisuseError, "str", snap),
+        BadInput(
+            "pages",
+            "insert: page count not matching the aligned tokens",
+            lambda: core.insert((1, 2, 3), []),
+            MisuseError,
+            "needs 1 pages",
+            snap,
+        ),
+        BadInput(
+            "pages",
+            "insert: a page given twice",
+            lambda: core.insert((5, 6, 7, 8), [DevicePage(7), DevicePage(7)]),
+            PageOwnershipError,
+            "twice",
+            snap,
+        ),
+        BadInput(
+            "pages",
+            "insert: a page the caller does not own",
+            lambda: core.insert((5, 6), [DevicePage(6)]),
+            PageOwnershipError,
+            "page 6",
+            snap,
+        ),
+        BadInput(
+            "pages",
+            "free a page that is not private",
+            lambda: core.free_private([DevicePage(0)]),
+            PageOwnershipError,
+            "page 0",
+            snap,
+        ),
+        BadInput("pages", "D2H with a page out of range", lambda: engine.d2h([0], [99]), PageOwnershipError, "99"),
+        BadInput(
+            "pages", "D2H with a duplicate destination", lambda: engine.d2h([0, 1], [2, 2]), PageOwnershipError, "twice"
+        ),
+        BadInput("pages", "L3 write to a slot out of range", lambda: storage.write([0], [4]), PageOwnershipError, "4"),
+        BadInput(
+            "storage", "path is a directory", lambda: StorageFile(G, 2, tempfile.gettempdir()), ConfigError, "directory"
+        ),
+        BadInput("storage", "path is a symlink", lambda: StorageFile(G, 2, _symlink()), ConfigError, "symlink"),
+        BadInput(
+            "storage",
+            "directory does not exist",
+            lambda: StorageFile(G, 2, "/nonexistent/dir/l3.bin"),
+            ConfigError,
+            "does not exist",
+        ),
+        BadInput(
+            "storage",
+            "not enough free space",
+            lambda: StorageFile(G, 2**40, Path(tempfile.mkdtemp(), "l3.bin")),
+            ConfigError,
+            "free",
+        ),
+        BadInput(
+            "names",
+            "unknown policy",
+            lambda: HiCacheConfig(G, l1_pages=4, policy="sometimes"),
+            ConfigError,
+            "sometimes",
+        ),
+        BadInput(
+            "names",
+            "unknown write policy",
+            lambda: HiCacheConfig(G, l1_pages=4, write_policy="later"),
+            ConfigError,
+            "later",
+        ),
+        BadInput(
+            "names",
+            "unknown transfer backend",
+            lambda: HiCacheConfig(G, l1_pages=4, transfer_backend=cast(Any, "cuda")),
+            ConfigError,
+            "cuda",
+        ),
+        BadInput(
+            "handles",
+            "release a lease twice",
+            lambda: released_core.release(released),
+            HandleError,
+            "already released",
+            released_core.snapshot,
+        ),
+        BadInput(
+            "handles", "release an already released request", lambda: cache.release(req), HandleError, f"#{req.id}"
+        ),
+        BadInput("handles", "lock a stale match", _stale_lock, HandleError, "stale"),
+        BadInput("lifecycle", "use after close()", lambda: closed.admit([1, 2]), MisuseError, "closed"),
+    ]
+
+
+def _stale_lock() -> None:
+    core = _core()
+    old = core.match((1, 2, 3, 4)).l1
+    core.evict(Tier.L1, 10)
+    core.lock(old)
+
+
+def markdown() -> str:
+    rows = ["| area | bad input | error | message contains |", "|---|---|---|---|"]
+    for b in catalogue():
+        rows.append(f"| {b.area} | {b.what} | `{b.error.__name__}` | `{b.message}` |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown())

@@ -1,0 +1,27 @@
+"""Every bad input of the catalogue gets its typed error naming the value, and changes
+nothing; docs/RELIABILITY.md shows exactly this catalogue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hicache.testing.bad_inputs import BadInput, catalogue, markdown
+
+CASES = catalogue()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.area}: {c.what}" for c in CASES])
+def test_bad_input_is_refused_clearly(case: BadInput) -> None:
+    before = case.state() if case.state else None
+    with pytest.raises(case.error) as info:
+        case.run()
+    assert case.message in str(info.value), str(info.value)
+    if case.state is not None:
+        assert case.state() == before, "a refused call changed the state"
+
+
+def test_reliability_doc_lists_the_catalogue() -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md").read_text()
+    assert markdown() in doc, "docs/RELIABILITY.md is out of date: python -m hicache.testing.bad_inputs"
