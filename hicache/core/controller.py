@@ -448,16 +448,20 @@ class Controller:
     def check_integrity(self) -> None:
         self.core.check_integrity()
 
-    def close(self) -> None:
-        """Drain every transfer in flight (completing or failing it), release every request,
-        close storage. Afterwards every call raises MisuseError."""
-        if self.closed:
-            return
+    def drain(self) -> None:
+        """Block until every transfer in flight (backups and restores) has finished."""
         self._enter()
         while self._jobs:
             for job in list(self._jobs.values()):
                 job.ticket.wait()
             self.poll()
+
+    def close(self) -> None:
+        """Drain every transfer in flight (completing or failing it), release every request,
+        close storage. Afterwards every call raises MisuseError."""
+        if self.closed:
+            return
+        self.drain()
         for req in list(self._requests.values()):
             self.release(req)
         if self.storage is not None:
