@@ -46,8 +46,9 @@ class Engine:
         transfer_backend: TransferBackend = "auto",
         priors: CostPriors | None = None,
         seed: int = 0,
+        net: torch.nn.Module | None = None,
     ) -> None:
-        self.net = build_model(model, device=device, dtype=dtype, seed=seed)
+        self.net = net if net is not None else build_model(model, device=device, dtype=dtype, seed=seed)
         geometry = kv_geometry(self.net, page_size)
         if enable_hicache and not l2_pages:
             raise ConfigError("enable_hicache needs l2_pages > 0")

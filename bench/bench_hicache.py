@@ -1,0 +1,141 @@
+"""Latency by tier: TTFT of a request whose prefix must come from recompute, L2 or L3.
+
+Two different prefixes alternate so each evicts the other from L1 (and, for the L3 case,
+from L2): L1 holds one prefix, L2 one (tier l3) or both (tier l2), L3 both. Policy
+``always`` forces the tier; tier ``none`` is the engine without hicache (recompute). Per
+prefix length: median TTFT over the iterations after warm-up alternations, speed-up over
+recompute, the per-direction bandwidths from the metrics, and whether greedy outputs match
+recompute. Writes JSON + PNG under bench/results/.
+
+    python bench/bench_hicache.py --model qwen3-8b --prefix-tokens 350 1000 2000 3500
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from hicache.engine import Engine, build_model
+
+
+def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: int) -> dict[str, Any]:
+    ps = args.page_size
+    pages = -(-(prefix + args.suffix_tokens + 1) // ps)
+    engine = Engine(
+        args.model,
+        device=args.device,
+        page_size=ps,
+        num_pages=pages + max(1, pages // 2),  # one prefix fits, two do not
+        enable_hicache=tier != "none",
+        l2_pages=(3 * pages if tier == "l2" else pages + max(1, pages // 2)) if tier != "none" else 0,
+        l3_pages=4 * pages if tier == "l3" else 0,
+        policy="always",
+        transfer_backend="auto",
+        net=net,
+    )
+    rng = random.Random(prefix)
+    vocab = int(net.config.vocab_size)  # type: ignore[union-attr, arg-type]
+    prefixes = [[rng.randrange(vocab) for _ in range(prefix)] for _ in range(2)]
+    ttft: list[float] = []
+    outputs: list[list[int]] = []
+    sources: list[str] = []
+    total = 2 * (args.warmup + args.iterations)
+    for i in tqdm(range(total), desc=f"{tier} {prefix}", leave=False):
+        prompt = prefixes[i % 2] + [rng.randrange(vocab) for _ in range(args.suffix_tokens)]
+        out = engine.generate(prompt, max_new_tokens=args.max_new_tokens)
+        engine.cache.drain()  # write-through finished before the other prefix arrives
+        if i >= 2 * args.warmup:
+            ttft.append(out.ttft_s)
+            sources.append(out.restored_from)
+        outputs.append(out.tokens)
+    m = engine.cache.metrics
+    engine.cache.check_integrity()
+    row = {
+        "tier": tier,
+        "prefix_tokens": prefix,
+        "ttft_ms": statistics.median(ttft) * 1e3,
+        "sources": {s: sources.count(s) for s in set(sources)},
+        "gib_per_s": {d: s.gib_per_s for d, s in m.directions.items() if s.count},
+        "fallbacks": m.fallbacks,
+        "outputs": outputs,
+    }
+    engine.close()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prefix-tokens", type=int, nargs="+", default=[350, 1000, 2000, 3500])
+    ap.add_argument("--suffix-tokens", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=1)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--tiers", nargs="+", default=["none", "l2", "l3"])
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    net = build_model(args.model, device=args.device, dtype=dtype)
+    rows = [run_tier(net, args, tier, p) for p in args.prefix_tokens for tier in args.tiers]
+    base = {r["prefix_tokens"]: r["ttft_ms"] for r in rows if r["tier"] == "none"}
+    recompute = {r["prefix_tokens"]: r["outputs"] for r in rows if r["tier"] == "none"}
+    for r in rows:
+        r["speedup"] = base.get(r["prefix_tokens"], float("nan")) / r["ttft_ms"]
+        ref = recompute.get(r["prefix_tokens"])
+        r["outputs_differing_from_recompute"] = (
+            None if ref is None else sum(a != b for a, b in zip(r.pop("outputs"), ref))
+        )
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    meta = {
+        "date": date.today().isoformat(),
+        "device": device,
+        "model": args.model,
+        "dtype": str(dtype),
+        "page_size": args.page_size,
+        "iterations": args.iterations,
+        "warmup": args.warmup,
+    }
+    print(f"\nTTFT by tier, {args.model} ({dtype}), {device}, {meta['date']}; median of {args.iterations}")
+    print(f"{'prefix':>7} {'tier':>5} {'TTFT ms':>9} {'speed-up':>8}  served from / bandwidth GiB/s")
+    for r in rows:
+        bw = " ".join(f"{d}={v:.1f}" for d, v in r["gib_per_s"].items())
+        diff = r["outputs_differing_from_recompute"]
+        print(
+            f"{r['prefix_tokens']:>7} {r['tier']:>5} {r['ttft_ms']:>9.2f} {r['speedup']:>7.2f}x  {r['sources']} {bw}"
+            f"  greedy outputs differing from recompute: {diff}"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or ("h200" if "H200" in device else device.lower().replace(" ", "-"))
+    stem = args.out / f"bench_hicache-{args.model}-{meta['date']}-{tag}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for tier in args.tiers:
+        pts = [(r["prefix_tokens"], r["ttft_ms"]) for r in rows if r["tier"] == tier]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label={"none": "recompute"}.get(tier, tier))
+    ax.set_xlabel("prefix tokens")
+    ax.set_ylabel("TTFT ms (median)")
+    ax.set_title(f"{args.model} on {device}, {meta['date']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=100)
+    print(f"wrote {stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
