@@ -94,7 +94,7 @@ def main() -> None:
         r["speedup"] = base.get(r["prefix_tokens"], float("nan")) / r["ttft_ms"]
         ref = recompute.get(r["prefix_tokens"])
         r["outputs_differing_from_recompute"] = (
-            None if ref is None else sum(a != b for a, b in zip(r.pop("outputs"), ref))
+            None if ref is None else sum(a != b for a, b in zip(r.pop("outputs"), ref, strict=True))
         )
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     meta = {
