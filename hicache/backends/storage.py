@@ -269,6 +269,7 @@ class StorageBackend:
             ok = all([_outcome(f, ticket) for f in futures])
             if spans:
                 ticket.timings.service_s = max(e for _, e in spans) - min(b for b, _ in spans)
+                ticket.finished_at = max(e for _, e in spans)
             if ok:
                 with self._lock:
                     self.extents += len(extents)

@@ -16,14 +16,16 @@ class Timings:
 
     enqueue_s: float = 0.0  # CPU time to issue the copy (index upload, host gather, launches)
     setup_s: float = 0.0  # one-time workspace allocation inside enqueue
-    queue_s: float = 0.0  # waiting before service began
+    queue_s: float = 0.0  # waiting before service began (I/O pool; not observable on a stream)
     service_s: float = 0.0  # kernel + DMA (device events) or file I/O
     complete_s: float = 0.0  # CPU work at completion (host index_copy_, checksum checks)
-    total_s: float = 0.0  # from the call to observed completion
+    total_s: float = 0.0  # from the call until the caller observed completion (poll lag included)
 
     @property
     def recurring_s(self) -> float:
-        return max(0.0, self.total_s - self.setup_s)
+        """The work's own recurring time: enqueue (less setup), queue, service, completion.
+        Excludes one-time setup and the lag until someone polled the ticket."""
+        return max(0.0, self.enqueue_s - self.setup_s) + self.queue_s + self.service_s + self.complete_s
 
 
 @dataclass(eq=False)
@@ -42,6 +44,7 @@ class Ticket:
     ok: bool | None = None
     error: str | None = None
     extents: int = 0
+    finished_at: float | None = None  # perf_counter when the work itself ended, if known
     _check: Callable[[bool], bool | None] | None = None  # (block) -> None while pending
 
     def poll(self) -> bool:
@@ -67,9 +70,10 @@ class Ticket:
 
     def _finish(self, ok: bool) -> None:
         self.ok = ok
-        self.timings.total_s = time.perf_counter() - self.started
         t = self.timings
-        t.queue_s = max(0.0, t.total_s - t.enqueue_s - t.service_s - t.complete_s)
+        t.total_s = time.perf_counter() - self.started
+        if self.finished_at is not None:
+            t.queue_s = max(0.0, self.finished_at - self.started - t.enqueue_s - t.service_s)
         self._check = None
 
     def fail_now(self, error: str) -> None:

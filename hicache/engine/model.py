@@ -26,56 +26,31 @@ from hicache.errors import ConfigError
 
 ATTENTION = "hicache_paged"
 
+_TINY: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=8192,
+)
+_QWEN3: dict[str, Any] = dict(
+    model_type="qwen3",
+    vocab_size=151936,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+)
 PRESETS: dict[str, dict[str, Any]] = {
-    # A tiny Qwen3 for CPU tests and the CPU main job.
-    "tiny": dict(
-        model_type="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=8192,
-    ),
-    "qwen3-4b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-8b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=False,
-    ),
-    "llama-tiny": dict(
-        model_type="llama",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=8192,
-    ),
+    "tiny": {**_TINY, "model_type": "qwen3"},  # CPU tests and the CPU main job
+    "llama-tiny": {**_TINY, "model_type": "llama"},
+    "qwen3-4b": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True},
+    "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False},
 }
 
 

@@ -210,3 +210,21 @@ def test_chunked_requests_fail_whole_if_one_chunk_fails() -> None:
     assert s.read(list(range(6)), [2, 3, 4, 5, 6, 7]).wait()
     assert torch.equal(host.page_buffer[2:8], want)
     s.close()
+
+
+def test_recurring_time_excludes_poll_lag() -> None:
+    """The cost model learns the work's own time: enqueue (less setup) + queue + service +
+    completion. Time a ticket sat finished before anyone polled it is not part of it."""
+    import time
+
+    s = backend()
+    t = s.write([0, 1], [0, 1])
+    time.sleep(0.05)  # the work may finish meanwhile; nobody looks for 50 ms
+    assert t.wait() and t.finished_at is not None
+    assert t.finished_at <= t.started + t.timings.total_s
+    tm = t.timings
+    assert tm.recurring_s == pytest.approx(
+        max(0.0, tm.enqueue_s - tm.setup_s) + tm.queue_s + tm.service_s + tm.complete_s
+    )
+    assert tm.total_s >= tm.recurring_s
+    s.close()
