@@ -196,7 +196,8 @@ class Controller:
         ps = self.core.page_size
         aligned = len(req.tokens) - len(req.tokens) % ps
         own = list(pages)
-        if any(p not in req.private for p in own):
+        mine = set(req.private)
+        if any(p not in mine for p in own):
             raise MisuseError("insert: pages must be private pages allocated for this request")
         prefix = self.prefix_pages(req)
         need = aligned // ps - len(prefix)
@@ -204,9 +205,9 @@ class Controller:
             raise MisuseError(f"insert needs {need} pages for tokens [{req.cached_len}, {aligned}), got {len(own)}")
         result = self.core.insert(req.tokens[:aligned], prefix + own[:need])
         rejected = set(result.rejected)
-        adopted = [p for p in own[:need] if p not in rejected]
+        gone = rejected | set(own[:need])  # freed duplicates and pages the tree adopted
         self.core.free_private(list(rejected))
-        req.private = [p for p in req.private if p not in rejected and p not in adopted]
+        req.private = [p for p in req.private if p not in gone]
         self.metrics.recomputed_tokens += max(0, aligned - req.cached_len)
         self._repin(req)
         if self.write_policy is WritePolicy.WRITE_THROUGH and result.node.parent is not None:
