@@ -188,9 +188,13 @@ class Controller:
 
     def insert(self, req: Request, pages: Sequence[DevicePage]) -> int:
         """After prefill: hand ``req``'s pages for ``tokens[cached_len:]`` (page aligned) to
-        the tree. Returns the new ``cached_len``; from now on :meth:`prefix_pages` gives the
-        tree's pages (duplicates of pages the tree already had are freed). Write-through
-        starts per the write policy."""
+        the tree. Returns the new ``cached_len``: :meth:`prefix_pages` now gives the tree's
+        pages for ``[0, cached_len)`` (our duplicates of pages the tree already had are
+        freed). Where the tree refuses pages (a transfer into that run is in flight),
+        ``cached_len`` stays short of the prompt and those pages remain the request's own:
+        the engine reads ``pages[(cached_len - first) // page_size:]`` of what it passed,
+        ``first`` being the token position of ``pages[0]``. Write-through starts per the
+        write policy."""
         self._enter()
         self._live(req)
         ps = self.core.page_size
@@ -203,13 +207,19 @@ class Controller:
         need = aligned // ps - len(prefix)
         if len(own) < need:
             raise MisuseError(f"insert needs {need} pages for tokens [{req.cached_len}, {aligned}), got {len(own)}")
+        start = len(prefix)
+        recomputed = aligned - req.cached_len
         result = self.core.insert(req.tokens[:aligned], prefix + own[:need])
-        rejected = set(result.rejected)
-        gone = rejected | set(own[:need])  # freed duplicates and pages the tree adopted
-        self.core.free_private(list(rejected))
-        req.private = [p for p in req.private if p not in gone]
-        self.metrics.recomputed_tokens += max(0, aligned - req.cached_len)
         self._repin(req)
+        # Positions below the new match hold the tree's L1 pages: ours were adopted there,
+        # or are duplicates (freed). Above it the tree refused our pages (its run there has a
+        # transfer in flight): they stay private, and the request keeps reading them.
+        covered = own[: max(0, req.cached_len // ps - start)]
+        duplicates = set(result.rejected) & set(covered)
+        self.core.free_private(list(duplicates))
+        gone = set(covered)
+        req.private = [p for p in req.private if p not in gone]
+        self.metrics.recomputed_tokens += max(0, recomputed)
         if self.write_policy is WritePolicy.WRITE_THROUGH and result.node.parent is not None:
             self._backup(result.node)
         return req.cached_len

@@ -1,32 +1,91 @@
-"""A minimal reference engine: one request at a time, greedy decoding, prefix caching
-through :class:`~hicache.HiCache` (blocking restores).
+"""The reference engine: continuous batching, greedy decoding, prefix caching through
+:class:`~hicache.HiCache`, and the overlap loop.
 
-Without ``enable_hicache`` the engine keeps an L1-only prefix cache (no L2/L3, policy
-``never``). Continuous batching and the overlap loop (decode while a restore is pending)
-are not here yet.
+One scheduler thread owns everything. Each :meth:`Engine.step`:
+
+1. polls the cache: restores that finished (published, failed or cancelled) make their
+   requests ready to prefill (a failed restore means the request recomputes);
+2. admits waiting requests up to ``max_batch``: match, pin the L1 hit, ask the cost model
+   (``plan``); a restore from L2/L3 is *started* and the request parks until it is published
+   (with ``prefetch=False`` the restore blocks here instead, the seed's baseline);
+3. runs one forward: the oldest ready prefill if any (prefill first keeps TTFT low), else one
+   decode batch of every running request. Decode time spent while restores are pending is
+   reported with ``note_decode`` — that is the restore time hidden behind useful work.
+
+Without ``enable_hicache`` the engine keeps its L1 prefix cache (policy ``never``, no L2/L3)
+and no transfer ever runs.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
 from hicache.backends.transfer import TransferBackend
+from hicache.core.controller import PendingRestore, Request, WritePolicy
 from hicache.core.cost import CostPriors
+from hicache.core.geometry import DevicePage
 from hicache.engine.model import ModelRunner, build_model, kv_geometry
 from hicache.errors import ConfigError
 from hicache.facade import HiCache, HiCacheConfig
+from hicache.spec.model import Tier
 
 
 @dataclass(frozen=True)
 class Output:
+    id: int
     tokens: list[int]  # generated tokens
-    first_logits: torch.Tensor  # logits of the first generated token (CPU, float32)
-    ttft_s: float  # admit -> first token (includes any restore)
+    first_logits: torch.Tensor | None  # logits of the first generated token (CPU, float32)
+    ttft_s: float  # submit -> first token (includes queueing and any restore)
+    latency_s: float  # submit -> last token
     cached_tokens: int  # prompt tokens not recomputed (L1 hit + restored)
     restored_from: str  # "L1" (nothing restored), "L2" or "L3"
+    restore_failed: bool = False  # a restore was planned but failed: the request recomputed
+    error: str | None = None  # "aborted", or why the request could not be served
+
+
+State = Literal["waiting", "restoring", "ready", "decoding"]
+
+
+@dataclass(eq=False)
+class _Seq:
+    id: int
+    prompt: list[int]
+    max_new: int
+    arrived: float
+    state: State = "waiting"
+    req: Request | None = None
+    restore: PendingRestore | None = None
+    restored_from: str = "L1"
+    restore_failed: bool = False
+    cached: int = 0  # prompt tokens taken from the cache at prefill
+    pages: list[DevicePage] = field(default_factory=list)  # page table of prompt + output
+    out: list[int] = field(default_factory=list)
+    first_logits: torch.Tensor | None = None
+    ttft: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    submitted: int = 0
+    finished: int = 0
+    aborted: int = 0
+    errors: int = 0
+    prefills: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_batches: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    decode_s_while_restoring: float = 0.0
+    restores_started: int = 0
+    restores_failed: int = 0
+    idle_polls: int = 0
 
 
 class Engine:
@@ -42,17 +101,26 @@ class Engine:
         l2_pages: int = 0,
         l3_pages: int = 0,
         storage_path: str | None = None,
+        storage_direct: bool = False,
         policy: str = "cost",
+        write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
         transfer_backend: TransferBackend = "auto",
         priors: CostPriors | None = None,
+        prefetch: bool = True,
+        max_batch: int = 32,
+        cuda_graphs: bool = True,
         seed: int = 0,
         net: torch.nn.Module | None = None,
     ) -> None:
-        self.net = net if net is not None else build_model(model, device=device, dtype=dtype, seed=seed)
-        geometry = kv_geometry(self.net, page_size)
+        if max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         if enable_hicache and not l2_pages:
             raise ConfigError("enable_hicache needs l2_pages > 0")
+        self.net = net if net is not None else build_model(model, device=device, dtype=dtype, seed=seed)
+        geometry = kv_geometry(self.net, page_size)
         self.enabled = enable_hicache
+        self.prefetch = prefetch
+        self.max_batch = max_batch
         self.cache = HiCache(
             HiCacheConfig(
                 geometry,
@@ -60,61 +128,235 @@ class Engine:
                 l2_pages=l2_pages if enable_hicache else 0,
                 l3_pages=l3_pages if enable_hicache else 0,
                 storage_path=storage_path,
+                storage_direct=storage_direct,
                 policy=policy if enable_hicache else "never",
+                write_policy=write_policy,
                 transfer_backend=transfer_backend,
                 priors=priors or CostPriors(),
                 device=str(device),
             )
         )
-        self.runner = ModelRunner(self.net, self.cache.l1)
+        self.runner = ModelRunner(self.net, self.cache.l1, cuda_graphs=cuda_graphs)
         self.page_size = page_size
         self.cuda = torch.device(device).type == "cuda"
+        self.stats = EngineStats()
+        self._ids = itertools.count(1)
+        self._waiting: deque[_Seq] = deque()
+        self._active: dict[int, _Seq] = {}  # restoring, ready or decoding, in arrival order
+        self._finished: list[Output] = []
 
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(self, prompt: list[int], max_new_tokens: int = 1) -> int:
+        """Queue a request; returns its id. Served by :meth:`step`."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if not prompt:
+            raise ConfigError("prompt must hold at least one token")
+        vocab = int(getattr(self.net.config, "vocab_size", 0))
+        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ConfigError(f"prompt token {bad!r} is not an int in [0, {vocab})")
+        seq = _Seq(next(self._ids), list(prompt), max_new_tokens, time.perf_counter())
+        self._waiting.append(seq)
+        self.stats.submitted += 1
+        return seq.id
+
+    def abort(self, rid: int) -> bool:
+        """Abort a request wherever it is (queued, restoring, decoding). Its pages and pins go
+        back at once; a restore in flight completes in the background into the tree. False if
+        the request is not known (finished or never submitted)."""
+        seq = self._active.pop(rid, None)
+        if seq is None:
+            seq = next((s for s in self._waiting if s.id == rid), None)
+            if seq is None:
+                return False
+            self._waiting.remove(seq)
+        if seq.req is not None:
+            self.cache.release(seq.req)
+        self.stats.aborted += 1
+        self._emit(seq, error="aborted")
+        return True
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet finished or aborted."""
+        return len(self._waiting) + len(self._active)
+
+    def step(self) -> list[Output]:
+        """One scheduler iteration (see the module docstring); returns requests finished in it."""
+        cache = self.cache
+        for restore in cache.poll():
+            self._restored(restore)
+        while self._waiting and len(self._active) < self.max_batch:
+            self._admit(self._waiting.popleft())
+        ready = next((s for s in self._active.values() if s.state == "ready"), None)
+        ran = False
+        if ready is not None:
+            ran = self._prefill(ready)
+        if not ran:
+            decoding = [s for s in self._active.values() if s.state == "decoding"]
+            if decoding:
+                self._decode(decoding)
+            elif ready is not None and not any(s.state == "restoring" for s in self._active.values()):
+                self._fail(ready, f"no room in L1 for a prompt of {len(ready.prompt)} tokens")
+            elif self._active:
+                self.stats.idle_polls += 1
+                time.sleep(50e-6)  # only restores in flight: let the copy engine / disk work
+        done, self._finished = self._finished, []
+        return done
+
+    def run(self) -> list[Output]:
+        """Step until every submitted request has finished; outputs in completion order."""
+        outs: list[Output] = []
+        while self.pending:
+            outs.extend(self.step())
+        return outs
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1) -> Output:
-        """Serve one request: match, restore (per policy), prefill the rest, decode."""
-        if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        cache, ps = self.cache, self.page_size
+        """Serve one request to completion (other queued requests are served alongside)."""
+        rid = self.submit(prompt, max_new_tokens)
+        while True:
+            for out in self.step():
+                if out.id == rid:
+                    if out.error is not None:
+                        raise MemoryError(out.error)
+                    return out
+
+    # -- scheduling --------------------------------------------------------------------------
+
+    def _admit(self, seq: _Seq) -> None:
+        cache = self.cache
+        seq.req = cache.admit(seq.prompt)
+        self._active[seq.id] = seq
+        seq.state = "ready"
+        if not self.enabled:
+            return
+        plan = cache.plan(seq.req)
+        if plan.tier is Tier.L1:
+            return
+        seq.restored_from = plan.tier.name
+        self.stats.restores_started += 1
+        if not self.prefetch:
+            if not cache.restore(seq.req, plan):
+                self._restore_failed(seq)
+            return
+        seq.restore = cache.start_restore(seq.req, plan)
+        if seq.restore is None:
+            self._restore_failed(seq)
+        else:
+            seq.state = "restoring"
+
+    def _restored(self, restore: PendingRestore) -> None:
+        seq = self._active.get(self._by_request(restore.request))
+        if seq is None or seq.restore is not restore:
+            return  # aborted meanwhile: the pages went to the tree
+        seq.state = "ready"
+        if restore.stage != "done":
+            self._restore_failed(seq)
+
+    def _by_request(self, req: Request) -> int:
+        return next((s.id for s in self._active.values() if s.req is req), -1)
+
+    def _restore_failed(self, seq: _Seq) -> None:
+        seq.restored_from = "L1"
+        seq.restore_failed = True
+        self.stats.restores_failed += 1
+
+    def _prefill(self, seq: _Seq) -> bool:
+        """Prefill ``seq``'s uncached prompt tail; False (nothing changed) without L1 room."""
+        cache, ps, req = self.cache, self.page_size, seq.req
+        assert req is not None
+        prompt = seq.prompt
+        # NOTE: at least the last prompt token is computed (its logits start decoding);
+        # when the whole prompt is cached, its last page is recomputed into a private page
+        # and the tree's shared copy is left untouched.
+        cached = min(req.cached_len, (len(prompt) - 1) // ps * ps)
+        need = -(-(len(prompt) + seq.max_new) // ps) - cached // ps
+        own = cache.allocate(req, need)
+        if own is None:
+            return False
+        pages = cache.prefix_pages(req)[: cached // ps] + own
         t0 = time.perf_counter()
-        req = cache.admit(prompt)
-        try:
-            restored_from = "L1"
-            if self.enabled:
-                plan = cache.plan(req)
-                if cache.restore(req, plan):
-                    restored_from = plan.tier.name
-            # NOTE: at least the last prompt token is computed (its logits start decoding);
-            # when the whole prompt is cached, its last page is recomputed into a private
-            # page and the tree's shared copy is left untouched.
-            cached = min(req.cached_len, (len(prompt) - 1) // ps * ps)
-            total = len(prompt) + max_new_tokens
-            need = -(-total // ps) - cached // ps
-            own = cache.allocate(req, need)
-            if own is None:
-                raise MemoryError(f"no room for {need} L1 pages (pool of {cache.core.sizes.l1_pages})")
-            pages = cache.prefix_pages(req)[: cached // ps] + own
-            t1 = time.perf_counter()
-            logits = self.runner.forward([(prompt[cached:], pages, cached)])[0]
-            token = int(logits.argmax())
-            self._sync()
-            ttft = time.perf_counter() - t0
-            cache.observe_prefill(len(prompt) - cached, time.perf_counter() - t1)
-            aligned = len(prompt) - len(prompt) % ps
-            cache.insert(req, own[: max(0, aligned // ps - req.cached_len // ps)])
-            # Tokens [0, aligned) now read from the tree's pages, the rest from our own.
-            pages = cache.prefix_pages(req) + own[(aligned - cached) // ps :]
-            out = [token]
-            for i in range(max_new_tokens - 1):
-                logits_i = self.runner.forward([([out[-1]], pages, len(prompt) + i)])[0]
-                out.append(int(logits_i.argmax()))
-            cache.poll()
-            return Output(out, logits.float().cpu(), ttft, req.cached_len, restored_from)
-        finally:
-            cache.release(req)
+        logits = self.runner.forward([(prompt[cached:], pages, cached)])[0]
+        token = int(logits.argmax())  # waits for the GPU
+        now = time.perf_counter()
+        cache.observe_prefill(len(prompt) - cached, now - t0)
+        self.stats.prefills += 1
+        self.stats.prefill_tokens += len(prompt) - cached
+        self.stats.prefill_s += now - t0
+        seq.ttft = now - seq.arrived
+        seq.first_logits = logits.float().cpu()
+        seq.cached = req.cached_len
+        aligned = len(prompt) - len(prompt) % ps
+        cache.insert(req, own[: max(0, aligned // ps - req.cached_len // ps)])
+        # Tokens [0, cached_len) now read from the tree's pages, the rest from our own
+        # (cached_len < aligned where the tree refused pages: a transfer is in flight there).
+        seq.pages = cache.prefix_pages(req) + own[(req.cached_len - cached) // ps :]
+        seq.out.append(token)
+        seq.state = "decoding"
+        if len(seq.out) >= seq.max_new:
+            self._complete(seq)
+        return True
+
+    def _decode(self, seqs: list[_Seq]) -> None:
+        restoring = any(s.state == "restoring" for s in self._active.values())
+        t0 = time.perf_counter()
+        batch = [([s.out[-1]], s.pages, len(s.prompt) + len(s.out) - 1) for s in seqs]
+        tokens = self.runner.forward(batch).argmax(-1).tolist()  # waits for the GPU
+        seconds = time.perf_counter() - t0
+        self.stats.decode_batches += 1
+        self.stats.decode_tokens += len(seqs)
+        self.stats.decode_s += seconds
+        if restoring:
+            self.stats.decode_s_while_restoring += seconds
+            self.cache.note_decode(seconds)
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.out.append(int(token))
+            if len(seq.out) >= seq.max_new:
+                self._complete(seq)
+
+    def _complete(self, seq: _Seq) -> None:
+        del self._active[seq.id]
+        assert seq.req is not None
+        self.cache.release(seq.req)
+        self.stats.finished += 1
+        self._emit(seq)
+
+    def _fail(self, seq: _Seq, why: str) -> None:
+        del self._active[seq.id]
+        if seq.req is not None:
+            self.cache.release(seq.req)
+        self.stats.errors += 1
+        self._emit(seq, error=why)
+
+    def _emit(self, seq: _Seq, error: str | None = None) -> None:
+        self._finished.append(
+            Output(
+                seq.id,
+                seq.out,
+                seq.first_logits,
+                seq.ttft,
+                time.perf_counter() - seq.arrived,
+                seq.cached,
+                seq.restored_from,
+                seq.restore_failed,
+                error,
+            )
+        )
+
+    def status(self) -> dict[str, object]:
+        return {
+            "waiting": len(self._waiting),
+            "active": {st: sum(1 for s in self._active.values() if s.state == st) for st in get_args(State)},
+            "stats": self.stats.__dict__.copy(),
+            "graphs": {"replays": self.runner.graph_replays, "eager": self.runner.eager_forwards},
+            "cache": self.cache.status(),
+        }
 
     def close(self) -> None:
+        """Abort everything in flight, then close the cache (drains its transfers)."""
+        for rid in [s.id for s in self._waiting] + list(self._active):
+            self.abort(rid)
+        self._finished.clear()
         self.cache.close()

@@ -12,6 +12,7 @@ attention functions. Token slots are flat: slot ``s`` is page ``s // page_size``
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,18 +56,24 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
-class SeqBatch:
-    """One sequence's part of a forward: the slots its new tokens go to, and the slots of
-    its whole context (cached prefix + new tokens), in token order."""
-
-    write_slots: torch.Tensor  # int64 [q]
-    read_slots: torch.Tensor  # int64 [T], T >= q; the last q are write_slots
-
-
-@dataclass
 class PagedBatch:
+    """Per-forward attention metadata for a batch of ``B`` sequences with ``q`` new tokens
+    each. ``read_slots`` is None when no sequence has cached context (the keys are the new
+    tokens themselves, causal); otherwise row ``b`` lists the slots of sequence ``b``'s whole
+    context in token order, padded at the end with one of its own slots, and ``mask``
+    (``[B, 1, q, T]``, or None for unpadded one-token decode) says which keys each query sees."""
+
     pool: DevicePool
-    seqs: list[SeqBatch]
+    write_slots: torch.Tensor  # int64 [B, q]
+    read_slots: torch.Tensor | None  # int64 [B, T]
+    mask: torch.Tensor | None  # bool [B, 1, q, T]
+
+
+def visible(ctx: torch.Tensor, q: int, t: int) -> torch.Tensor:
+    """``[B, 1, q, t]``: query ``i`` of a sequence with ``ctx`` context tokens (its ``q`` new
+    ones last) sees keys ``0 .. ctx - q + i``; padding (keys at ``>= ctx``) is never seen."""
+    rows = ctx.view(-1, 1, 1) - q + torch.arange(q, device=ctx.device).view(1, q, 1)
+    return (torch.arange(t, device=ctx.device).view(1, 1, t) <= rows).unsqueeze(1)
 
 
 def paged_attention(
@@ -80,7 +87,8 @@ def paged_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention over the paged pool. ``query`` is ``[B, Hq, q, D]``, ``key``
-    and ``value`` ``[B, H, q, D]`` for the new tokens only (RoPE applied)."""
+    and ``value`` ``[B, H, q, D]`` for the new tokens only (RoPE applied). Writes the new
+    K/V to their slots, then attends over the context read back from the pool."""
     batch: PagedBatch | None = kwargs.get("hicache_batch")
     if batch is None:
         raise ConfigError("paged_attention needs the hicache_batch keyword (use hicache.engine.ModelRunner)")
@@ -90,24 +98,18 @@ def paged_attention(
     heads, dim = buf.shape[-2], buf.shape[-1]
     k_pool = buf[0, layer].view(-1, heads, dim)
     v_pool = buf[1, layer].view(-1, heads, dim)
-    outs = []
-    for b, seq in enumerate(batch.seqs):
-        q = seq.write_slots.numel()
-        k_pool[seq.write_slots] = key[b, :, :q].transpose(0, 1).to(buf.dtype)
-        v_pool[seq.write_slots] = value[b, :, :q].transpose(0, 1).to(buf.dtype)
-        k = k_pool[seq.read_slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
-        v = v_pool[seq.read_slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
-        t = seq.read_slots.numel()
-        mask = None
-        if q > 1:  # query i sits at position t - q + i and sees keys 0 .. t - q + i
-            rows = torch.arange(q, device=query.device).unsqueeze(1) + (t - q)
-            mask = torch.arange(t, device=query.device).unsqueeze(0) <= rows
-        outs.append(
-            F.scaled_dot_product_attention(
-                query[b : b + 1, :, :q], k, v, attn_mask=mask, scale=scaling, enable_gqa=True
-            )
+    slots = batch.write_slots.reshape(-1)
+    k_pool[slots] = key.transpose(1, 2).reshape(-1, heads, dim).to(buf.dtype)
+    v_pool[slots] = value.transpose(1, 2).reshape(-1, heads, dim).to(buf.dtype)
+    if batch.read_slots is None:  # a fresh prefill: the context is the new tokens
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=True
         )
-    return torch.cat(outs, 0).transpose(1, 2).contiguous(), None
+    else:
+        k = k_pool[batch.read_slots].transpose(1, 2).to(query.dtype)
+        v = v_pool[batch.read_slots].transpose(1, 2).to(query.dtype)
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=batch.mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _register() -> None:
@@ -152,42 +154,170 @@ def kv_geometry(net: torch.nn.Module, page_size: int) -> KVGeometry:
 
 
 class ModelRunner:
-    """Forward passes of ``net`` whose KV lives in ``pool``; returns last-token logits."""
+    """Forward passes of ``net`` whose KV lives in ``pool``; returns last-token logits.
 
-    def __init__(self, net: torch.nn.Module, pool: DevicePool) -> None:
+    On CUDA, batches of at most ``graph_tokens`` new tokens that read cached context (decode
+    batches, the tail of a restored prompt) replay CUDA graphs captured per
+    ``(batch, new tokens, context bucket)``: an eager forward of a 36-layer transformers
+    model launches thousands of small kernels, and for a handful of tokens the launches,
+    not the GPU, set the time. Contexts are padded to ``graph_bucket`` tokens (masked).
+    Large prefills run eagerly (their kernels are long enough to hide the launches).
+    """
+
+    def __init__(
+        self,
+        net: torch.nn.Module,
+        pool: DevicePool,
+        *,
+        cuda_graphs: bool = True,
+        graph_tokens: int = 64,
+        graph_bucket: int = 256,
+        max_graphs: int = 64,
+    ) -> None:
         self.net = net
         self.pool = pool
         self.page_size = pool.geometry.page_size
+        self.graphs_enabled = cuda_graphs and pool.device.type == "cuda"
+        self.graph_tokens = graph_tokens
+        self.graph_bucket = graph_bucket
+        self.max_graphs = max_graphs
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._mempool: Any = None
+        self.graph_replays = 0
+        self.eager_forwards = 0
+        self._host: torch.Tensor | None = None  # pinned staging for per-forward metadata
+        self._dev: torch.Tensor | None = None
+        self._copied: Any = torch.cuda.Event() if pool.device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
     def slots(self, pages: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """Flat slots of tokens ``[start, end)`` of a sequence whose pages are ``pages``."""
+        """Flat slots (CPU, int64) of tokens ``[start, end)`` of a sequence whose pages are
+        ``pages``."""
         ps = self.page_size
-        tok = torch.arange(start, end)
-        page_ids = torch.tensor(pages, dtype=torch.int64)[tok // ps]
-        return (page_ids * ps + tok % ps).to(self.pool.device)
+        first, last = start // ps, -(-end // ps)
+        if last > len(pages):
+            raise ConfigError(f"tokens [{start}, {end}) need {last} pages, the sequence has {len(pages)}")
+        base = torch.as_tensor(pages[first:last], dtype=torch.int64).view(-1, 1) * ps
+        flat = (base + torch.arange(ps).view(1, -1)).view(-1)
+        return flat[start - first * ps : end - first * ps]
 
     @torch.inference_mode()
-    def forward(self, seqs: Sequence[tuple[list[int], Sequence[int], int]]) -> torch.Tensor:
+    def forward(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]]) -> torch.Tensor:
         """``seqs``: ``(new_tokens, pages, cached_len)`` each; all in one batch must have the
-        same number of new tokens (prefill batches of one, or decode batches of 1 token).
-        ``pages`` cover ``[0, cached_len + len(new_tokens))``."""
+        same number of new tokens (prefill batches, or decode batches of one token each).
+        ``pages`` cover ``[0, cached_len + len(new_tokens))``. Returns ``[B, vocab]``."""
+        if not seqs:
+            raise ConfigError("forward needs at least one sequence")
         q = len(seqs[0][0])
-        if any(len(s[0]) != q for s in seqs):
-            raise ConfigError("a batch needs the same number of new tokens per sequence")
-        dev = self.pool.device
-        batch = PagedBatch(self.pool, [])
-        ids, pos = [], []
-        for tokens, pages, cached in seqs:
-            end = cached + len(tokens)
-            batch.seqs.append(SeqBatch(self.slots(pages, cached, end), self.slots(pages, 0, end)))
-            ids.append(tokens)
-            pos.append(list(range(cached, end)))
-        out = self.net(
-            input_ids=torch.tensor(ids, device=dev),
-            position_ids=torch.tensor(pos, device=dev),
-            use_cache=False,
-            hicache_batch=batch,
-            logits_to_keep=1,
-        )
-        logits: torch.Tensor = out.logits[:, -1]
-        return logits
+        if q == 0 or any(len(s[0]) != q for s in seqs):
+            raise ConfigError("a batch needs the same, non-zero number of new tokens per sequence")
+        ctx = [cached + q for _, _, cached in seqs]
+        ids = torch.tensor([list(s[0]) for s in seqs], dtype=torch.int64)
+        pos = torch.stack([torch.arange(c - q, c) for c in ctx])
+        write = torch.stack([self.slots(p, c - q, c) for (_, p, _), c in zip(seqs, ctx, strict=True)])
+        b = len(seqs)
+        if all(cached == 0 for _, _, cached in seqs):  # a fresh prefill: no context to read
+            self.eager_forwards += 1
+            ids_d, pos_d, write_d = self._upload(None, ids, pos, write)
+            return _logits(self.net, ids_d, pos_d, PagedBatch(self.pool, write_d, None, None))
+        graph = None
+        if self.graphs_enabled and b * q <= self.graph_tokens:
+            graph = self._graph(b, q, -(-max(ctx) // self.graph_bucket) * self.graph_bucket)
+        t = graph.t if graph is not None else max(ctx)
+        read = torch.empty(b, t, dtype=torch.int64)
+        for i, ((_, pages, _), c) in enumerate(zip(seqs, ctx, strict=True)):
+            read[i, :c] = self.slots(pages, 0, c)
+            read[i, c:] = write[i, -1]  # padding reads a slot the sequence just wrote (never NaN)
+        ctx_t = torch.tensor(ctx, dtype=torch.int64)
+        if graph is not None:
+            self._upload(graph.flat, ids, pos, write, read, ctx_t)
+            try:
+                logits = graph.run()
+                self.graph_replays += 1
+                return logits
+            except RuntimeError as exc:  # a capture transformers' code does not allow
+                if graph.graph is not None:
+                    raise
+                warnings.warn(f"CUDA graph capture failed, running eagerly from now on: {exc}", stacklevel=2)
+                self.graphs_enabled = False
+                self._graphs.clear()
+        self.eager_forwards += 1
+        ids_d, pos_d, write_d, read_d, ctx_d = self._upload(None, ids, pos, write, read, ctx_t)
+        mask = None if q == 1 and min(ctx) == t else visible(ctx_d, q, t)
+        return _logits(self.net, ids_d, pos_d, PagedBatch(self.pool, write_d, read_d, mask))
+
+    def _upload(self, dst: torch.Tensor | None, *parts: torch.Tensor) -> list[torch.Tensor]:
+        """Copy ``parts`` (CPU int64) to the device in one transfer through a reused pinned
+        buffer (a copy from pageable memory would make the host wait for the GPU's queue);
+        returns device views shaped like ``parts``, backed by ``dst`` when given."""
+        flat = torch.cat([p.reshape(-1) for p in parts])
+        n = flat.numel()
+        if self.pool.device.type != "cuda":
+            dev = flat if dst is None else dst[:n].copy_(flat)
+        else:
+            if self._host is None or self._host.numel() < n:
+                self._host = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True)
+                self._dev = torch.empty(self._host.numel(), dtype=torch.int64, device=self.pool.device)
+            self._copied.synchronize()  # the previous upload has left the pinned buffer
+            self._host[:n].copy_(flat)
+            target = self._dev if dst is None else dst
+            assert target is not None
+            dev = target[:n]
+            dev.copy_(self._host[:n], non_blocking=True)
+            self._copied.record()
+        out, at = [], 0
+        for p in parts:
+            out.append(dev[at : at + p.numel()].view(p.shape))
+            at += p.numel()
+        return out
+
+    def _graph(self, b: int, q: int, t: int) -> _Graph | None:
+        key = (b, q, t)
+        graph = self._graphs.get(key)
+        if graph is None and len(self._graphs) < self.max_graphs:
+            if self._mempool is None:
+                self._mempool = torch.cuda.graph_pool_handle()
+            graph = self._graphs[key] = _Graph(self.net, self.pool, b, q, t, self._mempool)
+        return graph
+
+
+def _logits(net: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+    out = net(input_ids=ids, position_ids=pos, use_cache=False, hicache_batch=batch, logits_to_keep=1)
+    logits: torch.Tensor = out.logits[:, -1]
+    return logits
+
+
+class _Graph:
+    """One captured forward for ``b`` sequences of ``q`` new tokens over contexts padded to
+    ``t``, its inputs in one flat device tensor (ids, positions, write slots, read slots,
+    context lengths). Captured on first use with that call's real inputs: the warm-up writes
+    the same K/V the replay writes, so no page is disturbed."""
+
+    def __init__(self, net: torch.nn.Module, pool: DevicePool, b: int, q: int, t: int, mempool: Any) -> None:
+        self.net, self.pool, self.q, self.t, self.mempool = net, pool, q, t, mempool
+        self.flat = torch.zeros(3 * b * q + b * t + b, dtype=torch.int64, device=pool.device)
+        sizes = [b * q, b * q, b * q, b * t, b]
+        ids, pos, write, read, ctx = torch.split(self.flat, sizes)
+        self.ids, self.pos, self.write = ids.view(b, q), pos.view(b, q), write.view(b, q)
+        self.read, self.ctx = read.view(b, t), ctx
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+    def _body(self) -> torch.Tensor:
+        batch = PagedBatch(self.pool, self.write, self.read, visible(self.ctx, self.q, self.t))
+        return _logits(self.net, self.ids, self.pos, batch)
+
+    def run(self) -> torch.Tensor:
+        """Replay (capturing first if needed) on the inputs already in ``flat``."""
+        if self.graph is None:
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._body()  # warm-up: lazy initialisation stays out of the graph
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mempool):
+                self.out = self._body()
+            self.graph = graph
+        self.graph.replay()
+        assert self.out is not None
+        return self.out.clone()

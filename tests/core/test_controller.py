@@ -12,7 +12,7 @@ from hicache.core.controller import Request
 from hicache.core.cost import CostPriors
 from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError, HandleError, MisuseError
-from hicache.spec.model import Tier
+from hicache.spec.model import Direction, Tier
 
 G = KVGeometry(2, 2, 8, 2, torch.float32)
 
@@ -131,6 +131,26 @@ def test_abort_mid_restore_leaks_nothing() -> None:
     st = c.status()["core"]
     assert st["leases"] == 0 and st["tiers"][0]["private"] == 0
     assert all(t["in_flight"] == 0 for t in st["tiers"])
+    c.check_integrity()
+    c.close()
+
+
+def test_pages_the_tree_refuses_stay_with_the_request() -> None:
+    """Request B recomputes a prefix whose run has an H2D in flight: the tree refuses B's
+    pages there, and B must keep them (a regression: they were freed while B still read
+    them, and the engine's page table fell short)."""
+    c = make()
+    tokens = list(range(8))
+    cached(c, tokens, Tier.L1)
+    h2d = c.core.start(Direction.H2D, c.core.match(tokens).l2.node)  # a restore in flight
+    assert h2d is not None
+    b, _ = prefill(c, tokens)  # the same prefix, computed meanwhile
+    assert b.cached_len == 0 and len(b.private) == 4
+    assert not set(b.private) & set(c.core.l1.free_pages())
+    c.core.fail(h2d)
+    c.release(b)
+    st = c.status()["core"]
+    assert st["leases"] == 0 and st["tiers"][0]["private"] == 0
     c.check_integrity()
     c.close()
 

@@ -9,6 +9,7 @@ import torch
 
 from hicache.backends.pools import DevicePool
 from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
+from hicache.errors import ConfigError
 from hicache.spec.model import Tier
 
 pytest.importorskip("transformers")
@@ -67,26 +68,127 @@ def test_restored_requests_give_the_l1_hit_logits_exactly() -> None:
     assert (l2.restored_from, l3.restored_from) == ("L2", "L3")
     for out in (l2, l3):
         assert out.cached_tokens == 48
+        assert out.first_logits is not None and l1.first_logits is not None
         assert torch.equal(out.first_logits, l1.first_logits) and out.tokens == l1.tokens
+    assert first.first_logits is not None
     torch.testing.assert_close(first.first_logits, l1.first_logits, rtol=1e-5, atol=1e-5)
     assert first.tokens == l1.tokens
     e.cache.check_integrity()
     e.close()
 
 
+def test_a_padded_decode_batch_gives_each_sequence_its_own_logits() -> None:
+    """One decode batch over contexts of different lengths (padded, masked) gives each
+    sequence the logits of its own one-sequence forward."""
+    net = build_model("tiny")
+    pool = DevicePool.allocate(kv_geometry(net, 4), 64, "cpu")
+    pool.buffer.normal_()
+    run = ModelRunner(net, pool)
+    rng = random.Random(3)
+    seqs = []
+    for n, first in ((9, 0), (22, 10), (3, 30)):
+        toks = [rng.randrange(512) for _ in range(n)]
+        pages = list(range(first, first + n // 4 + 2))
+        run.forward([(toks, pages, 0)])
+        seqs.append(([rng.randrange(512)], pages, n))
+    alone = [run.forward([s])[0] for s in seqs]
+    together = run.forward(seqs)
+    for b, want in enumerate(alone):
+        torch.testing.assert_close(together[b], want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_batches_and_page_tables_are_checked() -> None:
+    net = build_model("tiny")
+    run = ModelRunner(net, DevicePool.allocate(kv_geometry(net, 4), 8, "cpu"))
+    with pytest.raises(ConfigError, match="same, non-zero number"):
+        run.forward([([1, 2], [0], 0), ([3], [1], 0)])
+    with pytest.raises(ConfigError, match="need 2 pages"):
+        run.forward([([1] * 6, [0], 0)])
+
+
+def test_decode_overlaps_a_pending_restore_and_abort_mid_restore_leaks_nothing() -> None:
+    """While one request's L3 restore is in flight (a slow disk), the engine keeps decoding
+    another; aborting a request mid-restore returns every page and pin."""
+    e = engine()
+    rng = random.Random(2)
+    a = [rng.randrange(512) for _ in range(40)]
+    b = [rng.randrange(512) for _ in range(40)]
+    e.generate(a)
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    e.cache.core.evict(Tier.L2, 10**6)
+    e.cache.faults.add("slow", op="read", delay_s=0.3)
+    long = e.submit(b, max_new_tokens=40)
+    while e.stats.decode_batches == 0:
+        e.step()
+    restoring = e.submit([*a, 1, 2, 3], max_new_tokens=2)
+    outs = e.run()
+    got = {o.id: o for o in outs}
+    assert got[restoring].restored_from == "L3" and got[restoring].cached_tokens == 40
+    assert len(got[long].tokens) == 40
+    assert e.stats.decode_s_while_restoring > 0
+    assert e.cache.metrics.restore_overlapped_s > 0
+    # Abort mid-restore: nothing leaks, the restore completes into the tree.
+    e.cache.core.evict(Tier.L1, 10**6)
+    e.cache.core.evict(Tier.L2, 10**6)
+    e.cache.faults.add("slow", op="read", delay_s=0.2)
+    rid = e.submit(a, max_new_tokens=3)
+    e.step()
+    assert e.status()["active"] == {"waiting": 0, "restoring": 1, "ready": 0, "decoding": 0}
+    assert e.abort(rid) and not e.abort(rid)
+    e.cache.drain()
+    st = e.cache.status()
+    assert st["requests"] == 0 and st["core"]["leases"] == 0 and st["pending_restores"] == 0
+    assert st["core"]["tiers"][0]["private"] == 0 and st["core"]["tiers"][0]["in_flight"] == 0
+    assert e.cache.core.match(a).lengths[1] == 40  # the abandoned S2H landed in L2, with the tree
+    e.cache.check_integrity()
+    e.close()
+
+
+def test_blocking_mode_serves_the_same_tokens() -> None:
+    """``prefetch=False`` (the seed's blocking restore) gives the same outputs."""
+    outs = []
+    for prefetch in (True, False):
+        e = engine(prefetch=prefetch)
+        rng = random.Random(5)
+        p = [rng.randrange(512) for _ in range(30)]
+        e.generate(p)
+        e.cache.drain()
+        e.cache.core.evict(Tier.L1, 10**6)
+        o = e.generate([*p, 7], max_new_tokens=3)
+        assert o.restored_from == "L2"
+        outs.append(o.tokens)
+        e.close()
+    assert outs[0] == outs[1]
+
+
 def test_mixed_workload_keeps_integrity() -> None:
-    """200 requests over shared and rotating prefixes, with L1 and L2 pressure."""
+    """200 requests over shared and rotating prefixes, served in continuous batches with
+    random aborts, under L1 and L2 pressure."""
     rng = random.Random(0)
-    e = engine(num_pages=48, l2_pages=40, l3_pages=96, policy="cost")
+    e = engine(num_pages=64, l2_pages=40, l3_pages=96, policy="cost", max_batch=4)
     prefixes = [[rng.randrange(512) for _ in range(rng.randrange(8, 60))] for _ in range(6)]
+    served = aborted = 0
     for i in range(200):
         prompt = rng.choice(prefixes) + [rng.randrange(512) for _ in range(rng.randrange(0, 10))]
-        e.generate(prompt, max_new_tokens=rng.randrange(1, 4))
+        rid = e.submit(prompt, max_new_tokens=rng.randrange(1, 4))
+        if rng.random() < 0.1:
+            for _ in range(rng.randrange(3)):
+                served += sum(o.error is None for o in e.step())
+            aborted += e.abort(rid)
+        if i % 4 == 3:
+            outs = e.run()
+            assert {o.error for o in outs} <= {None, "aborted"}
+            served += sum(o.error is None for o in outs)
         if i % 20 == 0:
             e.cache.check_integrity()
+    served += sum(o.error is None for o in e.run())
+    assert e.stats.errors == 0, e.stats
+    assert served + aborted == 200 and e.stats.finished == served
     e.cache.drain()
     st = e.cache.status()
     assert st["requests"] == 0 and st["core"]["leases"] == 0
     assert st["metrics"]["hit_tokens"]["L1"] > 0
+    assert e.stats.decode_batches > 0 and e.stats.decode_tokens > e.stats.decode_batches  # batched
     e.cache.check_integrity()
     e.close()
