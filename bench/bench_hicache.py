@@ -13,7 +13,6 @@ recompute. Writes JSON + PNG under bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 from datetime import date
@@ -21,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import RESULTS, PageCheck, device_name, write_results
 from tqdm import tqdm
 
-from hicache.engine import Engine, build_model
+from hicache.engine import build_model
+from hicache.engine.cli import add_engine_args, dtype_of, engine_from_args
 
 
 def burst(device: str, ms: float = 100.0) -> None:
@@ -46,35 +47,38 @@ def burst(device: str, ms: float = 100.0) -> None:
 
 def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: int) -> dict[str, Any]:
     ps = args.page_size
-    pages = -(-(prefix + args.suffix_tokens + 1) // ps)
-    engine = Engine(
-        args.model,
-        device=args.device,
-        page_size=ps,
+    pages = -(-(prefix + args.suffix_tokens + args.max_new_tokens) // ps)
+    engine = engine_from_args(
+        args,
+        net,
         num_pages=pages + max(1, pages // 2),  # one prefix fits, two do not
         enable_hicache=tier != "none",
         l2_pages=(3 * pages if tier == "l2" else pages + max(1, pages // 2)) if tier != "none" else 0,
         l3_pages=4 * pages if tier == "l3" else 0,
         policy="always",
-        transfer_backend="auto",
-        net=net,
+        max_batch=1,
     )
     rng = random.Random(prefix)
     vocab = int(net.config.vocab_size)  # type: ignore[union-attr, arg-type]
     prefixes = [[rng.randrange(vocab) for _ in range(prefix)] for _ in range(2)]
+    check = PageCheck()
     ttft: list[float] = []
     outputs: list[list[int]] = []
     sources: list[str] = []
     total = 2 * (args.warmup + args.iterations)
+    cache_s = 0.0
     for i in tqdm(range(total), desc=f"{tier} {prefix}", leave=False):
         prompt = prefixes[i % 2] + [rng.randrange(vocab) for _ in range(args.suffix_tokens)]
         engine.cache.drain()  # write-through finished before this request arrives
         if args.clock_burst:
             burst(args.device)  # same for every tier: the drain idles the GPU, clocks drop
+        before = engine.stats.cache_s
         out = engine.generate(prompt, max_new_tokens=args.max_new_tokens)
+        check.observe(engine, i % 2, prompt, prefix // ps, out)
         if i >= 2 * args.warmup:
             ttft.append(out.ttft_s)
             sources.append(out.restored_from)
+            cache_s += engine.stats.cache_s - before
         outputs.append(out.tokens)
     m = engine.cache.metrics
     engine.cache.check_integrity()
@@ -82,33 +86,34 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         "tier": tier,
         "prefix_tokens": prefix,
         "ttft_ms": statistics.median(ttft) * 1e3,
+        "bookkeeping_ms": cache_s / len(ttft) * 1e3,
         "sources": {s: sources.count(s) for s in set(sources)},
         "gib_per_s": {d: s.gib_per_s for d, s in m.directions.items() if s.count},
         "fallbacks": m.fallbacks,
+        "graph_replays": engine.runner.graph_replays,
         "outputs": outputs,
+        **check.to_dict(),
     }
     engine.close()
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_engine_args(ap)
     ap.add_argument("--prefix-tokens", type=int, nargs="+", default=[350, 1000, 2000, 3500])
     ap.add_argument("--suffix-tokens", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=1)
-    ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tiers", nargs="+", default=["none", "l2", "l3"])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default=None)
     ap.add_argument(
         "--no-clock-burst", dest="clock_burst", action="store_false", help="do not warm the GPU up before each request"
     )
-    args = ap.parse_args()
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    args = ap.parse_args(argv)
+    dtype = dtype_of(args)
     net = build_model(args.model, device=args.device, dtype=dtype)
     rows = [run_tier(net, args, tier, p) for p in args.prefix_tokens for tier in args.tiers]
     base = {r["prefix_tokens"]: r["ttft_ms"] for r in rows if r["tier"] == "none"}
@@ -119,29 +124,32 @@ def main() -> None:
         r["outputs_differing_from_recompute"] = (
             None if ref is None else sum(a != b for a, b in zip(r.pop("outputs"), ref, strict=True))
         )
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    device = device_name(args.device)
     meta = {
-        "date": date.today().isoformat(),
-        "device": device,
         "model": args.model,
         "dtype": str(dtype),
         "page_size": args.page_size,
         "iterations": args.iterations,
         "warmup": args.warmup,
+        "cuda_graphs": not args.disable_cuda_graph,
     }
-    print(f"\nTTFT by tier, {args.model} ({dtype}), {device}, {meta['date']}; median of {args.iterations}")
-    print(f"{'prefix':>7} {'tier':>5} {'TTFT ms':>9} {'speed-up':>8}  served from / bandwidth GiB/s")
+    stem = write_results(args.out, f"bench_hicache-{args.model}", args.device, meta, rows, args.tag)
+    print(f"\nTTFT by tier, {args.model} ({dtype}), {device}, {date.today()}; median of {args.iterations}")
+    print(
+        f"{'prefix':>7} {'tier':>5} {'TTFT ms':>9} {'speed-up':>8} {'bookkeep':>8} {'pages ok':>9} "
+        f"{'greedy≠':>7}  served from / bandwidth GiB/s"
+    )
     for r in rows:
         bw = " ".join(f"{d}={v:.1f}" for d, v in r["gib_per_s"].items())
         diff = r["outputs_differing_from_recompute"]
+        share = r["bookkeeping_ms"] / base.get(r["prefix_tokens"], float("nan"))
+        ok = f"{r['restores_checked'] - r['page_mismatches']}/{r['restores_checked']}"
         print(
-            f"{r['prefix_tokens']:>7} {r['tier']:>5} {r['ttft_ms']:>9.2f} {r['speedup']:>7.2f}x  {r['sources']} {bw}"
-            f"  greedy outputs differing from recompute: {diff}"
+            f"{r['prefix_tokens']:>7} {r['tier']:>5} {r['ttft_ms']:>9.2f} {r['speedup']:>7.2f}x {share:>8.2%} "
+            f"{ok:>9} {diff!s:>7}  {r['sources']} {bw}"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or ("h200" if "H200" in device else device.lower().replace(" ", "-"))
-    stem = args.out / f"bench_hicache-{args.model}-{meta['date']}-{tag}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print("bookkeep: time in hicache calls per request / recompute TTFT; pages ok: restored prefixes whose")
+    print("pages hash (xxh3) equal to the pages as computed; greedy≠: outputs differing from recompute")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,7 +161,7 @@ def main() -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label={"none": "recompute"}.get(tier, tier))
     ax.set_xlabel("prefix tokens")
     ax.set_ylabel("TTFT ms (median)")
-    ax.set_title(f"{args.model} on {device}, {meta['date']}")
+    ax.set_title(f"{args.model} on {device}, {date.today()}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(stem.with_suffix(".png"), dpi=100)

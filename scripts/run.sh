@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# The main job: set up, then the core demo (insert, match, evict across tiers, status).
+# The main job: set up, then a short run of the end-to-end benchmarks — TTFT by tier
+# (recompute / L2 / L3) and throughput under prefix rotation — printing tables and writing
+# JSON + PNG under bench/results/. Without a GPU: the tiny model on CPU (about a minute);
+# with one: the Qwen3-8B shape in bf16. Extra arguments go to both benchmarks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m hicache.demo "$@"
+cd bench
+../.venv/bin/python bench_hicache.py "$@"
+../.venv/bin/python bench_hicache_stress.py "$@"

@@ -86,6 +86,7 @@ class EngineStats:
     restores_started: int = 0
     restores_failed: int = 0
     idle_polls: int = 0
+    cache_s: float = 0.0  # in hicache calls (bookkeeping; excludes blocking restore waits)
 
 
 class Engine:
@@ -186,7 +187,10 @@ class Engine:
     def step(self) -> list[Output]:
         """One scheduler iteration (see the module docstring); returns requests finished in it."""
         cache = self.cache
-        for restore in cache.poll():
+        t0 = time.perf_counter()
+        finished = cache.poll()
+        self.stats.cache_s += time.perf_counter() - t0
+        for restore in finished:
             self._restored(restore)
         while self._waiting and len(self._active) < self.max_batch:
             self._admit(self._waiting.popleft())
@@ -227,13 +231,13 @@ class Engine:
 
     def _admit(self, seq: _Seq) -> None:
         cache = self.cache
+        t0 = time.perf_counter()
         seq.req = cache.admit(seq.prompt)
         self._active[seq.id] = seq
         seq.state = "ready"
-        if not self.enabled:
-            return
-        plan = cache.plan(seq.req)
-        if plan.tier is Tier.L1:
+        plan = cache.plan(seq.req) if self.enabled else None
+        self.stats.cache_s += time.perf_counter() - t0
+        if plan is None or plan.tier is Tier.L1:
             return
         seq.restored_from = plan.tier.name
         self.stats.restores_started += 1
@@ -241,7 +245,9 @@ class Engine:
             if not cache.restore(seq.req, plan):
                 self._restore_failed(seq)
             return
+        t0 = time.perf_counter()
         seq.restore = cache.start_restore(seq.req, plan)
+        self.stats.cache_s += time.perf_counter() - t0
         if seq.restore is None:
             self._restore_failed(seq)
         else:
@@ -273,10 +279,13 @@ class Engine:
         # and the tree's shared copy is left untouched.
         cached = min(req.cached_len, (len(prompt) - 1) // ps * ps)
         need = -(-(len(prompt) + seq.max_new) // ps) - cached // ps
+        t0 = time.perf_counter()
         own = cache.allocate(req, need)
         if own is None:
+            self.stats.cache_s += time.perf_counter() - t0
             return False
         pages = cache.prefix_pages(req)[: cached // ps] + own
+        self.stats.cache_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         logits = self.runner.forward([(prompt[cached:], pages, cached)])[0]
         token = int(logits.argmax())  # waits for the GPU
@@ -289,10 +298,12 @@ class Engine:
         seq.first_logits = logits.float().cpu()
         seq.cached = req.cached_len
         aligned = len(prompt) - len(prompt) % ps
+        t0 = time.perf_counter()
         cache.insert(req, own[: max(0, aligned // ps - req.cached_len // ps)])
         # Tokens [0, cached_len) now read from the tree's pages, the rest from our own
         # (cached_len < aligned where the tree refused pages: a transfer is in flight there).
         seq.pages = cache.prefix_pages(req) + own[(req.cached_len - cached) // ps :]
+        self.stats.cache_s += time.perf_counter() - t0
         seq.out.append(token)
         seq.state = "decoding"
         if len(seq.out) >= seq.max_new:
@@ -319,7 +330,9 @@ class Engine:
     def _complete(self, seq: _Seq) -> None:
         del self._active[seq.id]
         assert seq.req is not None
+        t0 = time.perf_counter()
         self.cache.release(seq.req)
+        self.stats.cache_s += time.perf_counter() - t0
         self.stats.finished += 1
         self._emit(seq)
 

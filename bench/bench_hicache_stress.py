@@ -1,0 +1,239 @@
+"""Throughput under rotation, after the seed's stress test, plus decode overlap.
+
+Rotation: ``--prefixes`` (8) prefixes of ``--prefix-tokens`` (350) tokens in turn, one
+request at a time (batch size 1), 1 output token, ``--requests`` (80) timed after one
+untimed rotation. L1 holds ``--l1-prefixes`` (3) of them, so every request misses L1;
+tier ``l2``: L2 holds all; tier ``l3``: L2 holds 3 too and L3 holds all, on the local disk
+with O_DIRECT (cold: every read goes to the device) and from page cache (tmpfs). Policies:
+``always`` and ``never`` are forced, ``cost`` must be within 5% of the better of them.
+
+Overlap: ``--decoders`` requests keep decoding while the rotation requests arrive; with the
+overlap loop their restores hide behind decode batches, with ``--disable-hicache-prefetch``
+(blocking) decode stalls. Reports the fraction of restore time overlapped with decode.
+
+Every restored prefix's pages are fingerprinted (xxh3) against the pages as computed:
+``page_mismatches`` must be 0. Writes JSON + PNG under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import RESULTS, PageCheck, device_name, write_results
+from tqdm import tqdm
+
+from hicache.engine import Engine, build_model
+from hicache.engine.cli import add_engine_args, dtype_of, engine_from_args
+
+Config = tuple[str, str, str]  # (tier, storage, policy)
+
+
+def configs(storages: list[str]) -> list[Config]:
+    out: list[Config] = [("none", "-", "-")]
+    out += [("l2", "-", p) for p in ("always", "never", "cost")]
+    for storage in storages:
+        out += [("l3", storage, p) for p in ("always", "never", "cost")]
+    return out
+
+
+def make_engine(
+    net: torch.nn.Module, args: argparse.Namespace, cfg: Config, storage_dir: str | None, decoders: int
+) -> Engine:
+    """L1 holds ``l1_prefixes`` prefixes (plus room for the decoders): every rotation
+    request misses it. Tier l2: L2 holds every prefix. Tier l3: L2 holds as many as L1,
+    L3 every prefix, in a file under ``storage_dir`` (O_DIRECT for ``disk``)."""
+    tier, storage, policy = cfg
+    ps = args.page_size
+    per = -(-(args.prefix_tokens + args.suffix_tokens + args.decode_tokens) // ps) + 1
+    kw: dict[str, Any] = dict(num_pages=per * (args.l1_prefixes + decoders), enable_hicache=tier != "none")
+    kw.update(l2_pages=0, l3_pages=0, policy=policy if tier != "none" else "never")
+    if tier == "l2":
+        kw.update(l2_pages=per * (args.prefixes + 2))
+    elif tier == "l3":
+        kw.update(l2_pages=per * args.l1_prefixes, l3_pages=per * (args.prefixes + 2))
+        kw.update(storage_direct=storage == "disk")
+        if storage_dir is not None:
+            kw.update(storage_path=os.path.join(storage_dir, f".hicache-bench-{os.getpid()}.l3"))
+    return engine_from_args(args, net, **kw)
+
+
+def rotate(
+    engine: Engine, args: argparse.Namespace, prefixes: list[list[int]], decoders: int, desc: str
+) -> dict[str, Any]:
+    ps = args.page_size
+    full = args.prefix_tokens // ps
+    check = PageCheck()
+
+    def prompt(i: int) -> list[int]:  # suffix tokens (< 100) never collide with prefix tokens
+        return prefixes[i % len(prefixes)] + [(i * 31 + j * 17) % 100 for j in range(args.suffix_tokens)]
+
+    def background() -> None:  # short private prompts that decode for long
+        while engine.pending < decoders:
+            n = engine.stats.submitted
+            engine.submit([(n * 13 + j * 7) % 100 for j in range(32)], args.decode_tokens)
+
+    for i in range(len(prefixes)):  # untimed: every prefix computed once, tiers populated
+        out = engine.generate(prompt(i), 1)
+        check.observe(engine, i % len(prefixes), prompt(i), full, out)
+    engine.cache.drain()
+    m = engine.cache.metrics
+    base = {"restore_s": m.restore_s, "overlapped": m.restore_overlapped_s}
+    ttft, sources, verify_s = [], [], 0.0
+    start_decode = engine.stats.decode_tokens
+    t0 = time.perf_counter()
+    for i in tqdm(range(args.requests), desc=desc, leave=False):
+        if decoders:
+            background()
+        rid = engine.submit(prompt(i), 1)
+        found = None
+        while found is None:
+            if decoders:
+                background()
+            found = next((o for o in engine.step() if o.id == rid), None)
+        t1 = time.perf_counter()
+        check.observe(engine, i % len(prefixes), prompt(i), full, found)
+        verify_s += time.perf_counter() - t1
+        ttft.append(found.ttft_s)
+        sources.append(found.restored_from)
+    wall = time.perf_counter() - t0 - verify_s
+    decode_tokens = engine.stats.decode_tokens - start_decode
+    engine.cache.drain()
+    engine.cache.check_integrity()
+    restore_s = m.restore_s - base["restore_s"]
+    overlapped = m.restore_overlapped_s - base["overlapped"]
+    return {
+        "requests": args.requests,
+        "wall_s": wall,
+        "req_per_s": args.requests / wall,
+        "ttft_ms_median": statistics.median(ttft) * 1e3,
+        "ttft_ms_mean": statistics.fmean(ttft) * 1e3,
+        "served_from": {s: sources.count(s) for s in ("L1", "L2", "L3")},
+        "decode_tokens_per_s": decode_tokens / wall,
+        "restore_s": restore_s,
+        "overlap_fraction": overlapped / restore_s if restore_s else None,
+        "fallbacks": m.fallbacks,
+        "policy_skips": m.policy_skips,
+        "bookkeeping_ms_per_request": engine.stats.cache_s / max(1, engine.stats.submitted) * 1e3,
+        "gib_per_s": {d: s.gib_per_s for d, s in m.directions.items() if s.count},
+        **check.to_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(ap)
+    ap.add_argument("--prefixes", type=int, default=8)
+    ap.add_argument("--prefix-tokens", type=int, default=350)
+    ap.add_argument("--suffix-tokens", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--l1-prefixes", type=int, default=3)
+    ap.add_argument("--storage", nargs="+", choices=["disk", "pagecache"], default=["disk", "pagecache"])
+    ap.add_argument("--disk-dir", default=str(Path(__file__).resolve().parent.parent), help="a dir on the local disk")
+    ap.add_argument("--decoders", type=int, default=4, help="background decoders in the overlap variant (0: skip)")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+    dtype = dtype_of(args)
+    net = build_model(args.model, device=args.device, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(net.config.vocab_size)  # type: ignore[union-attr, arg-type]
+    prefixes = [torch.randint(100, vocab, (args.prefix_tokens,), generator=gen).tolist() for _ in range(8)]
+    prefixes = prefixes[: args.prefixes]
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    rows: list[dict[str, Any]] = []
+    for cfg in configs(args.storage):
+        tier, storage, policy = cfg
+        where = {"disk": args.disk_dir, "pagecache": shm}.get(storage)
+        engine = make_engine(net, args, cfg, where, 0)
+        row = {"variant": "rotation", "tier": tier, "storage": storage, "policy": policy}
+        row.update(rotate(engine, args, prefixes, 0, f"{tier} {storage} {policy}"))
+        engine.close()
+        if where is not None:
+            Path(where, f".hicache-bench-{os.getpid()}.l3").unlink(missing_ok=True)
+        rows.append(row)
+    if args.decoders:
+        for prefetch in (True, False):
+            args.disable_hicache_prefetch = not prefetch
+            engine = make_engine(net, args, ("l2", "-", "always"), None, args.decoders)
+            row = {"variant": "overlap" if prefetch else "blocking", "tier": "l2", "storage": "-", "policy": "always"}
+            row.update(rotate(engine, args, prefixes, args.decoders, row["variant"]))
+            engine.close()
+            rows.append(row)
+        args.disable_hicache_prefetch = False
+    meta = {
+        "model": args.model,
+        "dtype": str(dtype),
+        "page_size": args.page_size,
+        **{
+            k: getattr(args, k)
+            for k in (
+                "prefixes",
+                "prefix_tokens",
+                "suffix_tokens",
+                "requests",
+                "l1_prefixes",
+                "decoders",
+                "decode_tokens",
+            )
+        },
+    }
+    best: dict[str, float] = {}
+    for r in rows:
+        if r["variant"] == "rotation" and r["policy"] in ("always", "never"):
+            key = f"{r['tier']}/{r['storage']}"
+            best[key] = max(best.get(key, 0.0), r["req_per_s"])
+    for r in rows:
+        key = f"{r['tier']}/{r['storage']}"
+        r["cost_vs_best_forced"] = r["req_per_s"] / best[key] if r["policy"] == "cost" and key in best else None
+    base = next(r["req_per_s"] for r in rows if r["tier"] == "none")
+    print(
+        f"\nStress: {args.prefixes} x {args.prefix_tokens}-token prefixes in rotation, {args.requests} requests, "
+        f"{args.model} ({dtype}) on {device_name(args.device)}, {meta.get('date', '')}"
+    )
+    print(
+        f"{'variant':>9} {'tier':>4} {'storage':>9} {'policy':>6} {'req/s':>8} {'vs none':>7} {'TTFT ms':>8} "
+        f"{'L1/L2/L3':>10} {'fallbk':>6} {'overlap':>7} {'cost/best':>9} {'pages ok':>9}"
+    )
+    for r in rows:
+        s = r["served_from"]
+        ov = "" if r["overlap_fraction"] is None or r["variant"] == "rotation" else f"{r['overlap_fraction']:.0%}"
+        cb = "" if r["cost_vs_best_forced"] is None else f"{r['cost_vs_best_forced']:.3f}"
+        print(
+            f"{r['variant']:>9} {r['tier']:>4} {r['storage']:>9} {r['policy']:>6} {r['req_per_s']:>8.2f} "
+            f"{r['req_per_s'] / base:>6.2f}x {r['ttft_ms_median']:>8.2f} {s['L1']:>3}/{s['L2']:>2}/{s['L3']:>2} "
+            f"{r['fallbacks']:>6} {ov:>7} {cb:>9} {r['restores_checked'] - r['page_mismatches']:>4}/"
+            f"{r['restores_checked']:<4}"
+        )
+    path = write_results(args.out, f"bench_hicache_stress-{args.model}", args.device, meta, rows, args.tag)
+    plot(rows, path, f"{args.model} on {device_name(args.device)}")
+    print(f"wrote {path}.json and .png")
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['variant'][:4]} {r['tier']}\n{r['storage']} {r['policy']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(7, len(rows) * 0.9), 4))
+    ax.bar(range(len(rows)), [r["req_per_s"] for r in rows], color="tab:blue")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("requests / s")
+    ax.set_title(f"rotation throughput, {title}")
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

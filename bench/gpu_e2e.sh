@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Device calls for the end-to-end work. Usage on the GPU machine, from the repo root:
+#   bash bench/gpu_e2e.sh tests latency8b     (phases run in the order given)
+# Phases: tests, latency8b, latency4b, stress8b, stress4b, soak. Results go to $OUT.
+set -uo pipefail
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+df -h . /dev/shm | tail -2
+for phase in "$@"; do
+  echo "== $phase $(date +%T)"
+  case $phase in
+    tests)
+      python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/gpu tests/engine tests/backends \
+        tests/core/test_controller.py > "$OUT/gpu_tests-e2e.txt" 2>&1
+      tail -3 "$OUT/gpu_tests-e2e.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests-e2e.txt" | head -20 ;;
+    latency8b) (cd bench && python3 bench_hicache.py --model qwen3-8b --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
+    latency4b) (cd bench && python3 bench_hicache.py --model qwen3-4b --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
+    stress8b) (cd bench && python3 bench_hicache_stress.py --model qwen3-8b --disk-dir "$PWD" --out "$OUT" 2>&1 | tail -18) ;;
+    stress4b) (cd bench && python3 bench_hicache_stress.py --model qwen3-4b --disk-dir "$PWD" --out "$OUT" 2>&1 | tail -18) ;;
+    soak) python3 bench/soak.py --model qwen3-4b --device cuda --minutes "${SOAK_MINUTES:-5}" --out "$OUT" 2>&1 | tail -25 ;;
+  esac
+done
+echo "== done $(date +%T)"
