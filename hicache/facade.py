@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 from hicache.backends.faults import FaultInjector
 from hicache.backends.pools import DevicePool, HostPool
@@ -15,7 +16,9 @@ from hicache.core.cache import CacheCore
 from hicache.core.controller import Controller, WritePolicy
 from hicache.core.cost import CostModel, CostPriors, Policy
 from hicache.core.geometry import KVGeometry, TierSizes
+from hicache.core.node import Transfer
 from hicache.errors import ConfigError
+from hicache.spec.model import Direction
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class HiCacheConfig:
     priors: CostPriors = field(default_factory=CostPriors)
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     tracing: bool = False  # check every state change against the spec (tests)
+    verify_pages: bool = False  # digest every moved page and check it on arrival (slow; soak/bench)
 
     def __post_init__(self) -> None:
         if not isinstance(self.geometry, KVGeometry):
@@ -70,6 +74,8 @@ class HiCache(Controller):
         if l1.num_pages != config.l1_pages:
             raise ConfigError(f"L1 tensor has {l1.num_pages} pages, config says {config.l1_pages}")
         self.l1 = l1
+        self._page_digest: dict[int, int] = {}  # L2 page -> digest (verify_pages)
+        self._slot_digest: dict[int, int] = {}  # L3 slot -> digest (verify_pages)
         self.l2 = HostPool(g, max(1, config.l2_pages))
         engine = TransferEngine(l1, self.l2, config.transfer_backend, faults=self.faults)
         storage = None
@@ -90,3 +96,39 @@ class HiCache(Controller):
             selective_hits=config.selective_hits,
             bytes_per_page=g.bytes_per_page,
         )
+
+    # -- page verification (verify_pages) ----------------------------------------------------
+
+    def _digest_l1(self, pages: list[int]) -> list[int]:
+        data = self.l1.buffer[:, :, pages].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()  # L2 page layout
+        return [xxhash.xxh3_64_intdigest(page.view(torch.uint8).numpy().tobytes()) for page in data]
+
+    def _digest_l2(self, pages: list[int]) -> list[int]:
+        buf = self.l2.page_buffer
+        return [xxhash.xxh3_64_intdigest(buf[p].view(torch.uint8).numpy().tobytes()) for p in pages]
+
+    def _verify(self, transfer: Transfer) -> str | None:
+        """With ``verify_pages``: a page's digest is taken where it was computed (L1, at the
+        D2H) and checked at every arrival — in L2 after D2H and S2H, in L1 after H2D. L3 reads
+        are also checked by the storage's own per-page checksums."""
+        if not self.config.verify_pages:
+            return None
+        d, src, dst = transfer.direction, list(transfer.src), list(transfer.dst)
+        if d is Direction.H2S:
+            for s, t in zip(src, dst, strict=True):
+                self._slot_digest[t] = self._page_digest.get(s) or self._digest_l2([s])[0]
+            return None
+        if d is Direction.D2H:
+            want = self._digest_l1(src)
+        elif d is Direction.S2H:
+            want = [self._slot_digest.get(s) for s in src]  # type: ignore[misc]
+        else:
+            want = [self._page_digest.get(s) for s in src]  # type: ignore[misc]
+        got = self._digest_l1(dst) if d is Direction.H2D else self._digest_l2(dst)
+        self.metrics.verified_pages += len(dst)
+        bad = next((i for i, (w, g) in enumerate(zip(want, got, strict=True)) if w is not None and w != g), None)
+        if bad is not None:
+            return f"{d.name}: page {dst[bad]} differs from the page saved (digest mismatch at position {bad})"
+        if d is not Direction.H2D:
+            self._page_digest.update(zip(dst, got, strict=True))
+        return None

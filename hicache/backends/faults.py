@@ -41,11 +41,12 @@ class FaultInjector:
         with self._lock:
             self._queue.extend(Fault(kind, op, delay_s) for _ in range(count))
 
-    def take(self, op: Literal["read", "write"]) -> Fault | None:
-        """The next fault for an operation of type ``op``, if one is queued."""
+    def take(self, op: Literal["read", "write"], kinds: tuple[FaultKind, ...] = KINDS) -> Fault | None:
+        """The next fault of one of ``kinds`` for an operation of type ``op``, if one is
+        queued (a device transfer takes only the kinds it understands)."""
         with self._lock:
             for i, fault in enumerate(self._queue):
-                if fault.op in (op, "any"):
+                if fault.op in (op, "any") and fault.kind in kinds:
                     del self._queue[i]
                     self.injected[fault.kind] = self.injected.get(fault.kind, 0) + 1
                     return fault

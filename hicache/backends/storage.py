@@ -34,7 +34,7 @@ from typing import Any, Literal
 import numpy as np
 import xxhash
 
-from hicache.backends.faults import FaultInjector
+from hicache.backends.faults import FaultInjector, FaultKind
 from hicache.backends.pools import HostPool, check_pages, coalesce
 from hicache.backends.ticket import Ticket
 from hicache.core.geometry import KVGeometry
@@ -42,6 +42,7 @@ from hicache.errors import ConfigError, PageOwnershipError
 from hicache.spec.model import Direction
 
 log = logging.getLogger(__name__)
+STORAGE_FAULTS: tuple[FaultKind, ...] = ("eio", "enospc", "short", "eof", "corrupt", "slow")
 ALIGN = 4096
 
 
@@ -313,7 +314,7 @@ class StorageBackend:
             spans.append((t0, time.perf_counter()))
 
     def _pwrite_all(self, view: memoryview, offset: int) -> None:
-        fault = self.faults.take("write")
+        fault = self.faults.take("write", STORAGE_FAULTS)
         done = 0
         while done < len(view):
             chunk = view[done:]
@@ -328,7 +329,7 @@ class StorageBackend:
             done += n
 
     def _pread_all(self, view: memoryview, offset: int) -> None:
-        fault = self.faults.take("read")
+        fault = self.faults.take("read", STORAGE_FAULTS)
         done = 0
         while done < len(view):
             chunk = view[done:]

@@ -265,7 +265,7 @@ class TransferEngine:
                 self.stream.synchronize()
             self._release(ws)
             raise
-        fault = self.faults.take("write" if direction is Direction.D2H else "read")
+        fault = self.faults.take("write" if direction is Direction.D2H else "read", ("fail", "slow"))
         ticket.timings.enqueue_s = time.perf_counter() - t0
         ticket._check = self._checker(
             ticket, ws, complete, fault.kind if fault else None, fault.delay_s if fault else 0.0

@@ -385,11 +385,15 @@ class Controller:
         del self._jobs[job.transfer.id]
         transfer, restore = job.transfer, job.restore
         ok = bool(job.ticket.ok)
+        error = job.ticket.error
+        if ok and (error := self._verify(transfer)) is not None:
+            ok = False
+            self.metrics.verify_failures += 1
         self._account(job, ok)
         if not ok:
             self.core.fail(transfer)
             if restore is not None:
-                self._fail(restore, job.ticket.error or "transfer failed")
+                self._fail(restore, error or "transfer failed")
             return restore
         self.core.complete(transfer)  # NOTE: publish first; only then may anyone read it
         bottom = transfer.nodes[-1]
@@ -421,6 +425,12 @@ class Controller:
         tier = restore.plan.tier.name
         self.metrics.hit_tokens[tier] += max(0, req.cached_len - before)
         return restore
+
+    def _verify(self, transfer: Transfer) -> str | None:
+        """Check a finished transfer's destination pages before they are published; an
+        error message fails the transfer (the request recomputes). The controller knows no
+        bytes; :class:`hicache.HiCache` checks page digests when ``verify_pages`` is set."""
+        return None
 
     def _fail(self, restore: PendingRestore, why: str) -> None:
         restore.stage = "failed"

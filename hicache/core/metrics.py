@@ -37,6 +37,8 @@ class Metrics:
     restores: int = 0
     restore_s: float = 0.0
     restore_overlapped_s: float = 0.0
+    verified_pages: int = 0  # pages whose digest was checked after a transfer (verify_pages)
+    verify_failures: int = 0  # transfers failed because a page's digest differed
     directions: dict[str, DirectionStats] = field(default_factory=lambda: {d.name: DirectionStats() for d in Direction})
 
     def to_dict(self) -> dict[str, Any]:
@@ -69,6 +71,8 @@ class Metrics:
             ("restores", "Restores completed"),
             ("restore_seconds", "End-to-end seconds of completed restores"),
             ("restore_overlapped_seconds", "Restore seconds overlapped with decode"),
+            ("verified_pages", "Pages digest-checked after a transfer"),
+            ("verify_failures", "Transfers failed on a page digest mismatch"),
         ):
             attr = {"restore_seconds": "restore_s", "restore_overlapped_seconds": "restore_overlapped_s"}.get(
                 name, name

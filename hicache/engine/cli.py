@@ -45,6 +45,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         choices=["write_through", "write_through_selective", "write_back"],
         default="write_through",
     )
+    h.add_argument("--hicache-verify-pages", action="store_true", help="digest-check every moved page (slow)")
     h.add_argument("--disable-hicache-prefetch", action="store_true", help="blocking restores (no overlap loop)")
     d = CostPriors()
     h.add_argument("--hicache-prior-recompute-us", type=float, default=d.recompute_s_per_token * 1e6)
@@ -87,6 +88,7 @@ def engine_from_args(args: argparse.Namespace, net: torch.nn.Module | None = Non
         write_policy=args.hicache_write_policy,
         transfer_backend=args.hicache_transfer_backend,
         prefetch=not args.disable_hicache_prefetch,
+        verify_pages=args.hicache_verify_pages,
         priors=CostPriors(
             recompute_s_per_token=args.hicache_prior_recompute_us * 1e-6,
             host_gib_s=args.hicache_prior_host_gib_s,

@@ -30,6 +30,7 @@ from hicache.backends.transfer import TransferBackend
 from hicache.core.controller import PendingRestore, Request, WritePolicy
 from hicache.core.cost import CostPriors
 from hicache.core.geometry import DevicePage
+from hicache.core.tokens import as_tokens
 from hicache.engine.model import ModelRunner, build_model, kv_geometry
 from hicache.errors import ConfigError
 from hicache.facade import HiCache, HiCacheConfig
@@ -110,6 +111,7 @@ class Engine:
         prefetch: bool = True,
         max_batch: int = 32,
         cuda_graphs: bool = True,
+        verify_pages: bool = False,
         seed: int = 0,
         net: torch.nn.Module | None = None,
     ) -> None:
@@ -135,6 +137,7 @@ class Engine:
                 transfer_backend=transfer_backend,
                 priors=priors or CostPriors(),
                 device=str(device),
+                verify_pages=verify_pages,
             )
         )
         self.runner = ModelRunner(self.net, self.cache.l1, cuda_graphs=cuda_graphs)
@@ -152,13 +155,12 @@ class Engine:
         """Queue a request; returns its id. Served by :meth:`step`."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if not prompt:
-            raise ConfigError("prompt must hold at least one token")
+        toks = as_tokens(prompt)  # one C-level pass; raises MisuseError naming a bad token
         vocab = int(getattr(self.net.config, "vocab_size", 0))
-        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ConfigError(f"prompt token {bad!r} is not an int in [0, {vocab})")
-        seq = _Seq(next(self._ids), list(prompt), max_new_tokens, time.perf_counter())
+        if min(toks) < 0 or max(toks) >= vocab:
+            bad = next(t for t in toks if not 0 <= t < vocab)
+            raise ConfigError(f"prompt token {bad!r} is not in [0, {vocab})")
+        seq = _Seq(next(self._ids), list(toks), max_new_tokens, time.perf_counter())
         self._waiting.append(seq)
         self.stats.submitted += 1
         return seq.id

@@ -9,7 +9,7 @@ import torch
 
 from hicache.backends.pools import DevicePool
 from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, MisuseError
 from hicache.spec.model import Tier
 
 pytest.importorskip("transformers")
@@ -191,4 +191,15 @@ def test_mixed_workload_keeps_integrity() -> None:
     assert st["metrics"]["hit_tokens"]["L1"] > 0
     assert e.stats.decode_batches > 0 and e.stats.decode_tokens > e.stats.decode_batches  # batched
     e.cache.check_integrity()
+    e.close()
+
+
+def test_bad_requests_are_refused_before_anything_changes() -> None:
+    e = engine()
+    for prompt, kind in (([], MisuseError), ([1, 512], ConfigError), ([1, -1], ConfigError), ([1.5], MisuseError)):
+        with pytest.raises(kind):
+            e.submit(prompt)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        e.submit([1, 2], 0)
+    assert e.pending == 0 and e.stats.submitted == 0
     e.close()

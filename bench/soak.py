@@ -1,0 +1,230 @@
+"""Soak: the reference engine under load, faults and aborts, with resource baselines.
+
+Requests draw shared prefixes (a hot few and a rotating many) plus random suffixes; up to
+``--concurrency`` run at once. At a fixed rate a fault is injected into the next storage
+operation or device transfer (EIO, ENOSPC, short I/O, EOF, a corrupted byte, a slow disk,
+a failed copy), and a random request is aborted wherever it is. Every moved page is
+digest-checked (``verify_pages``): a restored page must equal the page as computed.
+``check_integrity()`` runs every ``--integrity-every`` requests.
+
+At the end, after a drain: resident memory, open file descriptors, pinned bytes, pending
+transfers, leases, private pages and requests are compared with their baseline (taken
+after warm-up). Prints a table and writes JSON under ``--out``; exits non-zero on a leak,
+an error, a wrong page or a failed integrity check.
+
+    python bench/soak.py --requests 10000            # CPU, tiny model
+    python bench/soak.py --model qwen3-4b --device cuda --minutes 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import RESULTS, device_name, write_results
+from tqdm import tqdm
+
+from hicache.backends.faults import FaultKind
+from hicache.engine import Engine
+from hicache.engine.cli import add_engine_args, dtype_of, engine_from_args
+
+FAULTS: list[tuple[FaultKind, str]] = [
+    ("eio", "read"),
+    ("eio", "write"),
+    ("enospc", "write"),
+    ("short", "read"),
+    ("short", "write"),
+    ("eof", "read"),
+    ("corrupt", "read"),
+    ("slow", "read"),
+    ("fail", "read"),
+    ("fail", "write"),
+]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def resources(engine: Engine) -> dict[str, int]:
+    st = engine.cache.status()
+    core = st["core"]
+    out = {
+        "rss_bytes": rss_bytes(),
+        "open_fds": len(os.listdir("/proc/self/fd")),
+        "pinned_workspace_bytes": int(st["transfer"].get("workspace_pinned_bytes", 0)),
+        "idle_workspaces": int(st["transfer"].get("workspaces", 0)),
+        "pending_transfers": int(st["pending_backups"] + st["pending_restores"]),
+        "leases": int(core["leases"]),
+        "private_l1_pages": int(core["tiers"][0]["private"]),
+        "in_flight_pages": sum(int(t["in_flight"]) for t in core["tiers"]),
+        "requests": int(st["requests"]),
+    }
+    if engine.cuda:
+        out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(ap)
+    ap.add_argument("--requests", type=int, default=10_000, help="stop after this many (or --minutes)")
+    ap.add_argument("--minutes", type=float, default=None, help="stop after this long")
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=6)
+    ap.add_argument("--fault-rate", type=float, default=0.05, help="faults injected per request")
+    ap.add_argument("--abort-rate", type=float, default=0.03, help="aborts per request")
+    ap.add_argument("--integrity-every", type=int, default=100)
+    ap.add_argument("--hot", type=int, default=3, help="shared prefixes drawn half the time")
+    ap.add_argument("--rotating", type=int, default=24, help="prefixes drawn in rotation otherwise")
+    ap.add_argument("--max-prefix-tokens", type=int, default=None, help="default: 200 on CPU, 2000 on CUDA")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--tag", default=None)
+    ap.set_defaults(num_pages=None)
+    args = ap.parse_args(argv)
+    cuda = str(args.device).startswith("cuda")
+    if args.model == "qwen3-8b" and not cuda:
+        args.model = "tiny"
+    max_prefix = args.max_prefix_tokens or (2000 if cuda else 200)
+    ps = args.page_size
+    rng = random.Random(args.seed)
+    per = -(-(max_prefix + 64) // ps)
+    # L1 holds a few requests' worth, L2 about half the prefixes, L3 all of them (and more).
+    l1 = args.num_pages or per * (args.concurrency + 4)
+    engine = engine_from_args(
+        args,
+        num_pages=l1,
+        enable_hicache=True,
+        l2_pages=per * (args.hot + args.rotating) // 2,
+        l3_pages=per * (args.hot + args.rotating) * 2,
+        verify_pages=True,
+    )
+    vocab = int(engine.net.config.vocab_size)  # type: ignore[union-attr, arg-type]
+    prefixes = [
+        [rng.randrange(vocab) for _ in range(rng.randrange(ps, max_prefix))] for _ in range(args.hot + args.rotating)
+    ]
+    faults = engine.cache.faults
+    counts = {"served": 0, "aborted": 0, "errors": 0, "faults_injected": 0, "restore_failed": 0}
+    by_source = {"L1": 0, "L2": 0, "L3": 0}
+    deadline = None if args.minutes is None else time.monotonic() + 60 * args.minutes
+    total = args.requests if deadline is None else 10**9
+    baseline: dict[str, int] = {}
+    submitted = done = integrity_checks = 0
+    t0 = time.perf_counter()
+    bar = tqdm(total=None if deadline else total, desc="soak", mininterval=5)
+    while done + counts["aborted"] < total and (deadline is None or time.monotonic() < deadline or done < args.warmup):
+        while engine.pending < args.concurrency and submitted < total:
+            i = submitted
+            p = prefixes[rng.randrange(args.hot)] if rng.random() < 0.5 else prefixes[args.hot + i % args.rotating]
+            engine.submit(p + [rng.randrange(vocab) for _ in range(rng.randrange(1, 24))], rng.randrange(1, 8))
+            submitted += 1
+            if done >= args.warmup and rng.random() < args.fault_rate:
+                kind, op = rng.choice(FAULTS)
+                faults.add(kind, op=op, delay_s=0.02 if kind == "slow" else 0.0)  # type: ignore[arg-type]
+                counts["faults_injected"] += 1
+            if done >= args.warmup and rng.random() < args.abort_rate:
+                victim = rng.randrange(max(1, submitted - args.concurrency), submitted + 1)
+                counts["aborted"] += engine.abort(victim)
+        outs = engine.step()
+        while outs:
+            out = outs.pop(0)
+            if out.error == "aborted":
+                bar.update(1)
+                continue
+            done += 1
+            bar.update(1)
+            if out.error is not None:
+                counts["errors"] += 1
+                print(f"request {out.id} failed: {out.error}", file=sys.stderr)
+                continue
+            counts["served"] += 1
+            counts["restore_failed"] += out.restore_failed
+            by_source[out.restored_from] += 1
+            if done % args.integrity_every == 0:
+                engine.cache.check_integrity()
+                integrity_checks += 1
+            if done == args.warmup:  # quiesce, then take the baseline
+                outs.extend(engine.run())
+                engine.cache.drain()
+                faults.clear()
+                baseline = resources(engine)
+    bar.close()
+    wall = time.perf_counter() - t0
+    faults.clear()  # faults not yet consumed by an operation
+    for out in engine.run():
+        done += out.error != "aborted"
+        counts["served"] += out.error is None
+    engine.cache.drain()
+    engine.cache.check_integrity()
+    integrity_checks += 1
+    final = resources(engine)
+    m = engine.cache.metrics
+    # RSS is reported; the transfer engine keeps its largest idle workspace by design (so
+    # pinned workspace bytes may grow once, to the largest transfer's need): at most one.
+    exempt = ("rss_bytes", "pinned_workspace_bytes", "idle_workspaces", "cuda_allocated_bytes")
+    leaks = {k: (baseline.get(k), v) for k, v in final.items() if k not in exempt and v != baseline.get(k)}
+    if final["idle_workspaces"] > 1:
+        leaks["idle_workspaces"] = (baseline.get("idle_workspaces"), final["idle_workspaces"])
+    rss_growth = final["rss_bytes"] - baseline.get("rss_bytes", final["rss_bytes"])
+    row: dict[str, Any] = {
+        "requests_finished": done,
+        "wall_s": wall,
+        **counts,
+        "served_from": by_source,
+        "fallbacks": m.fallbacks,
+        "verified_pages": m.verified_pages,
+        "verify_failures": m.verify_failures,
+        "transfers_failed": {d: s.failed for d, s in m.directions.items()},
+        "faults_consumed": dict(faults.injected),
+        "integrity_checks": integrity_checks,
+        "baseline": baseline,
+        "final": final,
+        "rss_growth_bytes": rss_growth,
+        "leaks": leaks,
+    }
+    engine.close()
+    final_fds = len(os.listdir("/proc/self/fd"))
+    row["open_fds_after_close"] = final_fds
+    print(f"\nSoak: {args.model} on {device_name(args.device)}, {done} requests in {wall:.0f} s")
+    for k in (
+        "served",
+        "aborted",
+        "errors",
+        "faults_injected",
+        "restore_failed",
+        "fallbacks",
+        "verified_pages",
+        "verify_failures",
+        "integrity_checks",
+    ):
+        print(f"  {k:<22} {row[k]}")
+    print(f"  {'served from':<22} {by_source}")
+    print(f"  {'faults consumed':<22} {row['faults_consumed']}")
+    print(f"  {'transfers failed':<22} {row['transfers_failed']}")
+    for k, v in final.items():
+        print(f"  {k:<22} baseline {baseline.get(k)!s:>14}  final {v!s:>14}")
+    print(f"  {'RSS growth':<22} {rss_growth / 2**20:.1f} MiB;  leaks: {leaks or 'none'}")
+    meta = {
+        "model": args.model,
+        "dtype": str(dtype_of(args)),
+        "page_size": ps,
+        "concurrency": args.concurrency,
+        "fault_rate": args.fault_rate,
+        "abort_rate": args.abort_rate,
+        "max_prefix_tokens": max_prefix,
+    }
+    path = write_results(args.out, f"soak-{args.model}", args.device, meta, [row], args.tag)
+    print(f"wrote {path}.json")
+    return 1 if leaks or counts["errors"] or m.verify_failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
