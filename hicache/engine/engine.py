@@ -9,8 +9,10 @@ One scheduler thread owns everything. Each :meth:`Engine.step`:
    (``plan``); a restore from L2/L3 is *started* and the request parks until it is published
    (with ``prefetch=False`` the restore blocks here instead, the seed's baseline);
 3. runs one forward: the oldest ready prefill if any (prefill first keeps TTFT low), else one
-   decode batch of every running request. Decode time spent while restores are pending is
-   reported with ``note_decode`` — that is the restore time hidden behind useful work.
+   decode batch of every running request; after ``prefills_before_decode`` prefills in a
+   row a waiting decode batch goes first (a stream of arrivals must not starve decode).
+   Decode time spent while restores are pending is reported with ``note_decode``: that is
+   the restore time hidden behind useful work.
 
 Without ``enable_hicache`` the engine keeps its L1 prefix cache (policy ``never``, no L2/L3)
 and no transfer ever runs.
@@ -110,6 +112,7 @@ class Engine:
         priors: CostPriors | None = None,
         prefetch: bool = True,
         max_batch: int = 32,
+        prefills_before_decode: int = 1,
         cuda_graphs: bool = True,
         verify_pages: bool = False,
         seed: int = 0,
@@ -117,6 +120,8 @@ class Engine:
     ) -> None:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
+        if prefills_before_decode < 1:
+            raise ConfigError(f"prefills_before_decode must be >= 1, got {prefills_before_decode}")
         if enable_hicache and not l2_pages:
             raise ConfigError("enable_hicache needs l2_pages > 0")
         self.net = net if net is not None else build_model(model, device=device, dtype=dtype, seed=seed)
@@ -148,6 +153,8 @@ class Engine:
         self._waiting: deque[_Seq] = deque()
         self._active: dict[int, _Seq] = {}  # restoring, ready or decoding, in arrival order
         self._finished: list[Output] = []
+        self.prefills_before_decode = prefills_before_decode
+        self._prefills_in_row = 0
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -197,13 +204,15 @@ class Engine:
         while self._waiting and len(self._active) < self.max_batch:
             self._admit(self._waiting.popleft())
         ready = next((s for s in self._active.values() if s.state == "ready"), None)
+        decoding = [s for s in self._active.values() if s.state == "decoding"]
         ran = False
-        if ready is not None:
+        if ready is not None and not (decoding and self._prefills_in_row >= self.prefills_before_decode):
             ran = self._prefill(ready)
+            self._prefills_in_row += ran
         if not ran:
-            decoding = [s for s in self._active.values() if s.state == "decoding"]
             if decoding:
                 self._decode(decoding)
+                self._prefills_in_row = 0
             elif ready is not None and not any(s.state == "restoring" for s in self._active.values()):
                 self._fail(ready, f"no room in L1 for a prompt of {len(ready.prompt)} tokens")
             elif self._active:
