@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,6 +180,36 @@ def test_verify_pages_catches_a_page_changed_behind_our_back(tier: Tier) -> None
     assert not c.restore(req, c.plan(req))
     assert c.metrics.verify_failures == 1 and c.metrics.fallbacks == 1 and req.cached_len == 0
     c.release(req)
+    c.check_integrity()
+    c.close()
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted", "garbled"])
+def test_l3_file_changed_underneath(tmp_path: Path, how: str) -> None:
+    """Someone truncates, deletes or overwrites the L3 file while we hold pages in it: a
+    truncated or garbled file fails the read (EOF / checksum) and the request recomputes;
+    a deleted file keeps serving through our open descriptor. Never a wrong page."""
+    path = tmp_path / "l3.bin"
+    c = make(storage_path=str(path))
+    tokens = list(range(8))
+    kv = cached(c, tokens, Tier.L1, Tier.L2)
+    if how == "truncated":
+        os.truncate(path, 0)
+    elif how == "deleted":
+        path.unlink()
+    else:
+        with open(path, "r+b") as f:
+            f.write(os.urandom(path.stat().st_size))
+    req = c.admit(tokens)
+    ok = c.restore(req, c.plan(req))
+    assert ok == (how == "deleted")
+    if ok:
+        assert torch.equal(c.l1.buffer[:, :, c.prefix_pages(req)], kv)
+    else:
+        assert c.metrics.fallbacks == 1 and req.cached_len == 0 and c.metrics.directions["S2H"].failed == 1
+    c.release(req)
+    st = c.status()["core"]
+    assert st["leases"] == 0 and all(t["in_flight"] == 0 for t in st["tiers"])
     c.check_integrity()
     c.close()
 
