@@ -41,7 +41,11 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     prefixes = [torch.randint(100, 150000, (args.prefix_tokens,), generator=gen).tolist() for _ in range(2)]
     times: dict[str, list[float]] = defaultdict(list)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    cuda = args.device.startswith("cuda")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
 
     def timed(name: str, fn: Callable[..., T], *a: Any) -> T:
         t0 = time.perf_counter()
