@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Device calls for the end-to-end work. Usage on the GPU machine, from the repo root:
+# GPU-side runs, in phases, for device calls. Usage on the GPU machine, from the repo root:
 #   bash bench/gpu_e2e.sh tests latency8b     (phases run in the order given)
-# Phases: tests, latency8b, latency4b, stress8b, stress4b, soak. Results go to $OUT.
+# Phases: tests, transfer (race demo, transfer and storage benchmarks), latency8b,
+# latency4b, stress8b, stress4b, soak (SOAK_MINUTES, default 5), bookkeeping.
+# Results go to $OUT (default bench/results).
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -19,6 +21,12 @@ for phase in "$@"; do
       python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/gpu tests/engine tests/backends \
         tests/core/test_controller.py > "$OUT/gpu_tests-e2e.txt" 2>&1
       tail -3 "$OUT/gpu_tests-e2e.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests-e2e.txt" | head -20 ;;
+    transfer)
+      python3 bench/race_demo.py --trials 5
+      python3 bench/transfer.py --out "$OUT" 2>&1 | tail -14
+      python3 bench/storage.py --dir /tmp --out "$OUT" 2>&1 | tail -14
+      python3 bench/storage.py --dir /tmp --out "$OUT" --chunk-pages 1000000 --tag h200-unchunked 2>&1 | tail -14 ;;
+    bookkeeping) python3 bench/bookkeeping.py --prefix-tokens 3500 && python3 bench/bookkeeping.py --prefix-tokens 350 ;;
     latency8b) (cd bench && python3 bench_hicache.py --model qwen3-8b --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
     latency4b) (cd bench && python3 bench_hicache.py --model qwen3-4b --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
     stress8b) (cd bench && python3 bench_hicache_stress.py --model qwen3-8b --disk-dir "$PWD" --out "$OUT" 2>&1 | tail -18) ;;
