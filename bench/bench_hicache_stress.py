@@ -79,7 +79,7 @@ def rotate(
             n = engine.stats.submitted
             engine.submit([(n * 13 + j * 7) % 100 for j in range(32)], args.decode_tokens)
 
-    for i in range(2 * len(prefixes)):  # untimed: prefixes computed, restored once (kernels warm)
+    for i in range(args.warmup_rotations * len(prefixes)):  # untimed: computed, restored (kernels warm)
         out = engine.generate(prompt(i), 1)
         check.observe(engine, i % len(prefixes), prompt(i), full, out)
     engine.cache.drain()
@@ -116,6 +116,7 @@ def rotate(
         "ttft_ms_median": statistics.median(ttft) * 1e3,
         "ttft_ms_mean": statistics.fmean(ttft) * 1e3,
         "served_from": {s: sources.count(s) for s in ("L1", "L2", "L3")},
+        "sources_in_order": "".join(s[-1] for s in sources),  # "1"/"2"/"3" per timed request
         "decode_tokens_per_s": decode_tokens / wall,
         "restore_s": restore_s,
         "overlap_fraction": overlapped / restore_s if restore_s else None,
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--suffix-tokens", type=int, default=8)
     ap.add_argument("--requests", type=int, default=80)
     ap.add_argument("--l1-prefixes", type=int, default=3)
+    ap.add_argument("--warmup-rotations", type=int, default=2, help="untimed rotations first (>= 1)")
     ap.add_argument("--storage", nargs="+", choices=["disk", "pagecache"], default=["disk", "pagecache"])
     ap.add_argument("--disk-dir", default=str(Path(__file__).resolve().parent.parent), help="a dir on the local disk")
     ap.add_argument("--decoders", type=int, default=4, help="background decoders in the overlap variant (0: skip)")
