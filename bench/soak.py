@@ -53,6 +53,18 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def rss_after_capture(timeline: list[dict[str, float]], final_rss: int) -> int | None:
+    """RSS growth from the first sample taken once the CUDA graph count stopped changing to
+    the end; None when the count changed at the last sample (or there are no samples)."""
+    if not timeline:
+        return None
+    last = timeline[-1]["graphs"]
+    settled = next(i for i, r in enumerate(timeline) if r["graphs"] == last)
+    if settled == len(timeline) - 1 and len(timeline) > 1:
+        return None
+    return final_rss - int(timeline[settled]["rss_mib"] * 2**20)
+
+
 def resources(engine: Engine) -> dict[str, int]:
     st = engine.cache.status()
     core = st["core"]
@@ -85,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hot", type=int, default=3, help="shared prefixes drawn half the time")
     ap.add_argument("--rotating", type=int, default=24, help="prefixes drawn in rotation otherwise")
     ap.add_argument("--max-prefix-tokens", type=int, default=None, help="default: 200 on CPU, 2000 on CUDA")
+    ap.add_argument("--sample-s", type=float, default=30.0, help="seconds between RSS samples")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default=None)
@@ -120,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     submitted = done = integrity_checks = 0
     t0 = time.perf_counter()
     bar = tqdm(total=None if deadline else total, desc="soak", mininterval=5)
+    # RSS over time, with the CUDA graphs captured so far: growth that stops once the
+    # graph set stops growing is capture memory, growth that keeps on is a leak.
+    timeline: list[dict[str, float]] = []
+    next_sample = time.perf_counter()
     while done + counts["aborted"] < total and (deadline is None or time.monotonic() < deadline or done < args.warmup):
         while engine.pending < args.concurrency and submitted < total:
             i = submitted
@@ -133,6 +150,16 @@ def main(argv: list[str] | None = None) -> int:
             if done >= args.warmup and rng.random() < args.abort_rate:
                 victim = rng.randrange(max(1, submitted - args.concurrency), submitted + 1)
                 counts["aborted"] += engine.abort(victim)
+        if baseline and time.perf_counter() >= next_sample:
+            timeline.append(
+                {
+                    "t_s": round(time.perf_counter() - t0, 1),
+                    "finished": done,
+                    "rss_mib": round(rss_bytes() / 2**20, 1),
+                    "graphs": engine.runner.graphs_captured,
+                }
+            )
+            next_sample += args.sample_s
         outs = engine.step()
         while outs:
             out = outs.pop(0)
@@ -188,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         "baseline": baseline,
         "final": final,
         "rss_growth_bytes": rss_growth,
+        "rss_timeline": timeline,
+        "rss_growth_after_last_capture_bytes": rss_after_capture(timeline, final["rss_bytes"]),
+        "graphs_captured": engine.runner.graphs_captured,
         "leaks": leaks,
     }
     engine.close()
@@ -212,6 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in final.items():
         print(f"  {k:<22} baseline {baseline.get(k)!s:>14}  final {v!s:>14}")
     print(f"  {'RSS growth':<22} {rss_growth / 2**20:.1f} MiB;  leaks: {leaks or 'none'}")
+    after = row["rss_growth_after_last_capture_bytes"]
+    print(
+        f"  {'RSS after captures':<22} {'n/a' if after is None else f'{after / 2**20:+.1f} MiB'}"
+        f" since the last new CUDA graph ({row['graphs_captured']} captured)"
+    )
+    print(
+        "  RSS timeline (s, finished, MiB, graphs): "
+        + ", ".join(f"({r['t_s']:.0f}, {r['finished']:.0f}, {r['rss_mib']:.0f}, {r['graphs']:.0f})" for r in timeline)
+    )
     meta = {
         "model": args.model,
         "dtype": str(dtype_of(args)),

@@ -189,6 +189,11 @@ class ModelRunner:
         self._dev: torch.Tensor | None = None
         self._copied: Any = torch.cuda.Event() if pool.device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
+    @property
+    def graphs_captured(self) -> int:
+        """CUDA graphs captured so far (at most ``max_graphs``)."""
+        return sum(g.graph is not None for g in self._graphs.values())
+
     def slots(self, pages: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Flat slots (CPU, int64) of tokens ``[start, end)`` of a sequence whose pages are
         ``pages``."""
