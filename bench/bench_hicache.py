@@ -63,6 +63,8 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
     prefixes = [[rng.randrange(vocab) for _ in range(prefix)] for _ in range(2)]
     check = PageCheck()
     ttft: list[float] = []
+    waits: list[float] = []  # restore started -> seen published
+    prefills: list[float] = []  # the tail's forward and first token
     outputs: list[list[int]] = []
     sources: list[str] = []
     total = 2 * (args.warmup + args.iterations)
@@ -77,6 +79,8 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         check.observe(engine, i % 2, prompt, prefix // ps, out)
         if i >= 2 * args.warmup:
             ttft.append(out.ttft_s)
+            waits.append(out.restore_wait_s)
+            prefills.append(out.prefill_s)
             sources.append(out.restored_from)
             cache_s += engine.stats.cache_s - before
         outputs.append(out.tokens)
@@ -87,8 +91,17 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         "prefix_tokens": prefix,
         "ttft_ms": statistics.median(ttft) * 1e3,
         "bookkeeping_ms": cache_s / len(ttft) * 1e3,
+        # TTFT's parts (medians): the restore's wait, the prefill forward, and the rest
+        # (hicache calls before the forward, polling, scheduling)
+        "restore_wait_ms": statistics.median(waits) * 1e3,
+        "prefill_ms": statistics.median(prefills) * 1e3,
         "sources": {s: sources.count(s) for s in set(sources)},
         "gib_per_s": {d: s.gib_per_s for d, s in m.directions.items() if s.count},
+        "transfer_ms": {  # means per transfer, warm-up included
+            d: {k: getattr(s, f"{k}_s") / s.count * 1e3 for k in ("enqueue", "queue", "service", "total")}
+            for d, s in m.directions.items()
+            if s.count
+        },
         "fallbacks": m.fallbacks,
         "graph_replays": engine.runner.graph_replays,
         "outputs": outputs,
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nTTFT by tier, {args.model} ({dtype}), {device}, {date.today()}; median of {args.iterations}")
     print(
         f"{'prefix':>7} {'tier':>5} {'TTFT ms':>9} {'speed-up':>8} {'bookkeep':>8} {'pages ok':>9} "
-        f"{'greedy≠':>7}  served from / bandwidth GiB/s"
+        f"{'greedy≠':>7} {'wait':>6} {'fwd':>6}  served from / bandwidth GiB/s"
     )
     for r in rows:
         bw = " ".join(f"{d}={v:.1f}" for d, v in r["gib_per_s"].items())
@@ -146,10 +159,11 @@ def main(argv: list[str] | None = None) -> None:
         ok = f"{r['restores_checked'] - r['page_mismatches']}/{r['restores_checked']}"
         print(
             f"{r['prefix_tokens']:>7} {r['tier']:>5} {r['ttft_ms']:>9.2f} {r['speedup']:>7.2f}x {share:>8.2%} "
-            f"{ok:>9} {diff!s:>7}  {r['sources']} {bw}"
+            f"{ok:>9} {diff!s:>7} {r['restore_wait_ms']:>6.2f} {r['prefill_ms']:>6.2f}  {r['sources']} {bw}"
         )
     print("bookkeep: time in hicache calls per request / recompute TTFT; pages ok: restored prefixes whose")
-    print("pages hash (xxh3) equal to the pages as computed; greedy≠: outputs differing from recompute")
+    print("pages hash (xxh3) equal to the pages as computed; greedy≠: outputs differing from recompute;")
+    print("wait: ms from the restore's start until a poll saw it published; fwd: ms of the prefill forward")
     import matplotlib
 
     matplotlib.use("Agg")

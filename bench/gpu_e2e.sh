@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU-side runs, in phases, for device calls. Usage on the GPU machine, from the repo root:
 #   bash bench/gpu_e2e.sh tests latency8b     (phases run in the order given)
-# Phases: tests, transfer (race demo, transfer and storage benchmarks), latency8b,
+# Phases: tests, transfer (race demo, transfer and storage benchmarks), latency8b, latency8b-quick,
 # latency4b, stress8b, stress4b, soak (SOAK_MINUTES, default 5), bookkeeping.
 # Results go to $OUT (default bench/results).
 set -uo pipefail
@@ -28,6 +28,8 @@ for phase in "$@"; do
       python3 bench/storage.py --dir /tmp --out "$OUT" --chunk-pages 1000000 --tag h200-unchunked 2>&1 | tail -14 ;;
     bookkeeping) python3 bench/bookkeeping.py --prefix-tokens 3500 && python3 bench/bookkeeping.py --prefix-tokens 350 ;;
     latency8b) (cd bench && python3 bench_hicache.py --model qwen3-8b --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
+    latency8b-quick) (cd bench && python3 bench_hicache.py --model qwen3-8b --prefix-tokens 350 3500 --tiers none l2 \
+        --out "$OUT" --tag h200-quick 2>&1 | grep -v "it/s\]" | tail -12) ;;
     latency4b) (cd bench && python3 bench_hicache.py --model qwen3-4b --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
     stress8b) (cd bench && python3 bench_hicache_stress.py --model qwen3-8b --disk-dir "$PWD" --out "$OUT" 2>&1 | tail -18) ;;
     stress4b) (cd bench && python3 bench_hicache_stress.py --model qwen3-4b --disk-dir "$PWD" --out "$OUT" 2>&1 | tail -18) ;;

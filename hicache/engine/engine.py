@@ -50,6 +50,8 @@ class Output:
     restored_from: str  # "L1" (nothing restored), "L2" or "L3"
     restore_failed: bool = False  # a restore was planned but failed: the request recomputed
     error: str | None = None  # "aborted", or why the request could not be served
+    restore_wait_s: float = 0.0  # restore started -> seen finished by a poll (0 without one)
+    prefill_s: float = 0.0  # the prefill forward and its first token (GPU included)
 
 
 State = Literal["waiting", "restoring", "ready", "decoding"]
@@ -71,6 +73,9 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = None
     ttft: float = 0.0
+    restore_started: float = 0.0
+    restore_wait: float = 0.0
+    prefill_s: float = 0.0
 
 
 @dataclass
@@ -256,7 +261,7 @@ class Engine:
             if not cache.restore(seq.req, plan):
                 self._restore_failed(seq)
             return
-        t0 = time.perf_counter()
+        t0 = seq.restore_started = time.perf_counter()
         seq.restore = cache.start_restore(seq.req, plan)
         self.stats.cache_s += time.perf_counter() - t0
         if seq.restore is None:
@@ -269,6 +274,7 @@ class Engine:
         if seq is None or seq.restore is not restore:
             return  # aborted meanwhile: the pages went to the tree
         seq.state = "ready"
+        seq.restore_wait = time.perf_counter() - seq.restore_started
         if restore.stage != "done":
             self._restore_failed(seq)
 
@@ -305,6 +311,7 @@ class Engine:
         self.stats.prefills += 1
         self.stats.prefill_tokens += len(prompt) - cached
         self.stats.prefill_s += now - t0
+        seq.prefill_s = now - t0
         seq.ttft = now - seq.arrived
         seq.first_logits = logits.float().cpu()
         seq.cached = req.cached_len
@@ -366,6 +373,8 @@ class Engine:
                 seq.restored_from,
                 seq.restore_failed,
                 error,
+                seq.restore_wait,
+                seq.prefill_s,
             )
         )
 

@@ -54,6 +54,74 @@ def test_prefill_observations_move_the_recompute_prior() -> None:
     assert m.decide(0, 0, 3500).tier is Tier.L1
 
 
+def test_the_tail_prefills_fixed_cost_is_not_a_benefit() -> None:
+    """Recompute learned as 12 ms + 20 µs/token. An L3 restore of 350 tokens at 4 GiB/s
+    takes ~13 ms; recomputing them adds only 7 ms to the tail's prefill, whose 12 ms fixed
+    cost is paid either way. Recompute wins (counting f_r, 19 ms > 13 ms, would restore)."""
+    m = CostModel(QWEN8B, CostPriors(storage_read_gib_s=4.0, host_gib_s=46.0, explore=0))
+    for n in (16, 350, 32, 700, 16, 350):
+        m.observe_prefill(n, 0.012 + n * 20e-6)
+    restore = m.restore_cost(Tier.L3, 0, 0, 350, 350)
+    assert m.recompute.marginal(350) < restore < m.recompute.predict(350)  # the close call
+    assert m.decide(0, 0, 350).tier is Tier.L1
+    # 3,500 tokens save 70 ms against a ~131 ms read at 4 GiB/s: still recompute; from page
+    # cache (11 GiB/s, ~54 ms) the restore wins and its saving is n * s_r
+    assert m.decide(0, 0, 3500).tier is Tier.L1
+    fast = CostModel(QWEN8B, CostPriors(storage_read_gib_s=11.0, host_gib_s=46.0))
+    for n in (16, 350, 32, 700, 16, 350):
+        fast.observe_prefill(n, 0.012 + n * 20e-6)
+    plan = fast.decide(0, 0, 3500)
+    assert plan.tier is Tier.L3 and plan.predicted_recompute_s == pytest.approx(3500 * 20e-6)
+
+
+def _rotation_prefills(m: CostModel) -> None:
+    """Full prefills of 350-374 tokens at 12 ms + 55 µs/token, with a little noise: sizes
+    within a factor of two, so the slope keeps its prior (a fit here gave 0 from noise)."""
+    for i in range(32):
+        n = 350 + (7 * i) % 25
+        m.observe_prefill(n, 0.012 + n * 55e-6 + (0.002 if i % 3 == 0 else -0.001))
+
+
+def test_similar_sizes_keep_the_slope_prior() -> None:
+    m = CostModel(QWEN8B, CostPriors(recompute_s_per_token=50e-6))
+    _rotation_prefills(m)
+    assert m.recompute.slope == 50e-6 and m.recompute.fixed > 0.01
+
+
+def test_an_unlearned_source_is_explored_then_judged_by_what_was_learned() -> None:
+    """Storage prior 3 GiB/s: restoring 350 tokens from L3 (~20 ms) looks worse than the
+    17.5 ms it saves, so on priors alone the model would never read L3 and never learn."""
+    fast = CostModel(QWEN8B)
+    _rotation_prefills(fast)
+    first = fast.decide(0, 0, 350)
+    assert first.tier is Tier.L3 and first.explore and first.benefit_s < 0
+    nbytes = 350 * QWEN8B
+    for _ in range(2):  # page-cached storage: 6 GiB/s
+        fast.observe_transfer(Direction.S2H, nbytes, nbytes / (6 * GiB))
+        fast.observe_transfer(Direction.H2D, nbytes, nbytes / (40 * GiB))
+    learned = fast.decide(0, 0, 350)
+    assert learned.tier is Tier.L3 and not learned.explore and learned.benefit_s > 0
+
+    slow = CostModel(QWEN8B)
+    _rotation_prefills(slow)
+    tried = [slow.decide(0, 0, 350) for _ in range(2)]
+    assert all(p.tier is Tier.L3 and p.explore for p in tried)
+    assert slow.decide(0, 0, 350).tier is Tier.L1  # tried twice, nothing learned: no more
+    for _ in range(2):  # a cold disk: 1.4 GiB/s
+        slow.observe_transfer(Direction.S2H, nbytes, nbytes / (1.4 * GiB))
+    assert slow.decide(0, 0, 350).tier is Tier.L1
+    assert slow.explored == {Tier.L2: 0, Tier.L3: 2}
+
+
+def test_exploration_is_bounded_by_twice_the_saving() -> None:
+    m = CostModel(QWEN8B, CostPriors(storage_read_gib_s=0.5))  # restore ~100 ms vs 17.5 saved
+    _rotation_prefills(m)
+    assert m.decide(0, 0, 350).tier is Tier.L1 and m.explored[Tier.L3] == 0
+    off = CostModel(QWEN8B, CostPriors(explore=0))
+    _rotation_prefills(off)
+    assert off.decide(0, 0, 350).tier is Tier.L1
+
+
 def test_affine_fit_learns_the_crossover() -> None:
     """From mixed sizes the model learns a restore of 30 ms + 13.7 µs/token exactly; with
     recompute at 40 µs/token, 500 tokens recompute (20 < 37 ms) and 3,500 restore (140 > 78 ms)."""
@@ -77,14 +145,16 @@ def test_slow_write_does_not_disturb_the_read_model() -> None:
     assert m.transfer[Direction.H2S].predict(10**8) > 1.0
 
 
-def test_one_size_learns_fixed_cost_by_ewma_of_positive_residuals() -> None:
+def test_one_size_learns_from_the_residual_both_ways() -> None:
     a = AffineCost(prior_slope=1e-3)
     for _ in range(50):
         a.observe(100, 0.1 + 0.02)  # residual 0.02 s above the prior line
     assert a.slope == 1e-3 and a.fixed == pytest.approx(0.02, rel=1e-3)
     b = AffineCost(prior_slope=1e-3)
-    b.observe(100, 0.05)  # faster than the prior: negative residual -> fixed stays 0
-    assert b.fixed == 0.0
+    b.observe(100, 0.05)  # faster than the prior: negative residual -> fixed 0, lower slope
+    assert b.fixed == 0.0 and b.predict(100) == pytest.approx(0.05)
+    b.observe(100, 0.1)  # back at the prior line: the EWMA moves a fifth of the way
+    assert b.fixed == 0.0 and b.predict(100) == pytest.approx(0.06)
 
 
 def test_negative_fits_are_clamped() -> None:
@@ -105,7 +175,10 @@ def test_window_is_32() -> None:
     assert len(a.samples) == 32
 
 
-@pytest.mark.parametrize("bad", [{"host_gib_s": 0}, {"margin": -1}, {"recompute_s_per_token": float("nan")}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"host_gib_s": 0}, {"margin": -1}, {"recompute_s_per_token": float("nan")}, {"explore": -1}, {"explore": 1.5}],
+)
 def test_bad_priors_raise(bad: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
         CostPriors(**bad)
