@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from hicache.core.cost import AffineCost, CostModel, CostPriors, Policy
@@ -179,7 +181,7 @@ def test_window_is_32() -> None:
     "bad",
     [{"host_gib_s": 0}, {"margin": -1}, {"recompute_s_per_token": float("nan")}, {"explore": -1}, {"explore": 1.5}],
 )
-def test_bad_priors_raise(bad: dict[str, float]) -> None:
+def test_bad_priors_raise(bad: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         CostPriors(**bad)
 
