@@ -51,6 +51,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     h.add_argument("--hicache-prior-recompute-us", type=float, default=d.recompute_s_per_token * 1e6)
     h.add_argument("--hicache-prior-host-gib-s", type=float, default=d.host_gib_s)
     h.add_argument("--hicache-prior-storage-gib-s", type=float, default=d.storage_read_gib_s)
+    h.add_argument(
+        "--hicache-explore",
+        type=int,
+        default=d.explore,
+        help="restores tried per source before the cost priors alone may rule it out (0: never)",
+    )
 
 
 def dtype_of(args: argparse.Namespace) -> torch.dtype:
@@ -93,6 +99,7 @@ def engine_from_args(args: argparse.Namespace, net: torch.nn.Module | None = Non
             recompute_s_per_token=args.hicache_prior_recompute_us * 1e-6,
             host_gib_s=args.hicache_prior_host_gib_s,
             storage_read_gib_s=args.hicache_prior_storage_gib_s,
+            explore=args.hicache_explore,
         ),
     )
     kw.update(overrides)
