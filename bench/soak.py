@@ -48,6 +48,18 @@ FAULTS: list[tuple[FaultKind, str]] = [
 ]
 
 
+def rss_parts_mib() -> dict[str, float]:
+    """RssAnon (heap, anonymous maps), RssFile (mapped files: libraries' pages as they are
+    first touched) and RssShmem, MiB, from /proc/self/status."""
+    out: dict[str, float] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                key, value = line.split(":")
+                out[key.lower().replace("rss", "rss_")] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -156,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                     "t_s": round(time.perf_counter() - t0, 1),
                     "finished": done,
                     "rss_mib": round(rss_bytes() / 2**20, 1),
+                    **rss_parts_mib(),
                     "graphs": engine.runner.graphs_captured,
                 }
             )
@@ -248,8 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         f" since the last new CUDA graph ({row['graphs_captured']} captured)"
     )
     print(
-        "  RSS timeline (s, finished, MiB, graphs): "
-        + ", ".join(f"({r['t_s']:.0f}, {r['finished']:.0f}, {r['rss_mib']:.0f}, {r['graphs']:.0f})" for r in timeline)
+        "  RSS timeline (s, finished, MiB, anon, file, graphs): "
+        + ", ".join(
+            f"({r['t_s']:.0f}, {r['finished']:.0f}, {r['rss_mib']:.0f}, {r.get('rss_anon', 0):.0f}, "
+            f"{r.get('rss_file', 0):.0f}, {r['graphs']:.0f})"
+            for r in timeline
+        )
     )
     meta = {
         "model": args.model,

@@ -162,3 +162,21 @@ def test_triton_failure_falls_back_under_auto_and_raises_when_explicit(monkeypat
         strict.d2h([3], [1])
     assert not any(w.busy for w in strict.workspaces), "a failed issue leaked its workspace"
     storage.close()
+
+
+def test_a_directions_first_enqueue_is_one_time_setup() -> None:
+    """The first transfer of each direction (autotune, kernel compile) is setup, excluded
+    from the recurring time the cost model learns; later ones are not."""
+    eng = stack(2, torch.float32)[2]
+    first = eng.h2d([0, 1], [3, 4])
+    first.wait()
+    assert first.timings.setup_s == first.timings.enqueue_s > 0
+    assert first.timings.recurring_s == pytest.approx(
+        first.timings.queue_s + first.timings.service_s + first.timings.complete_s
+    )
+    second = eng.h2d([2, 3], [5, 6])
+    second.wait()
+    assert second.timings.setup_s < second.timings.enqueue_s
+    d2h = eng.d2h([0], [7])  # its own first
+    d2h.wait()
+    assert d2h.timings.setup_s == d2h.timings.enqueue_s
