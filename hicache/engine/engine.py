@@ -307,7 +307,11 @@ class Engine:
         logits = self.runner.forward([(prompt[cached:], pages, cached)])[0]
         token = int(logits.argmax())  # waits for the GPU
         now = time.perf_counter()
-        cache.observe_prefill(len(prompt) - cached, now - t0)
+        if not self.runner.captured_last:
+            # NOTE: a forward that captured a CUDA graph is one-time setup, not a sample:
+            # one such (22 tokens, ~0.5 s) in the recompute window fitted a slope of 0 on
+            # the H200, and the cost policy recomputed for the next 32 requests.
+            cache.observe_prefill(len(prompt) - cached, now - t0)
         self.stats.prefills += 1
         self.stats.prefill_tokens += len(prompt) - cached
         self.stats.prefill_s += now - t0

@@ -185,6 +185,7 @@ class ModelRunner:
         self._mempool: Any = None
         self.graph_replays = 0
         self.eager_forwards = 0
+        self.captured_last = False  # the last forward captured a CUDA graph (one-time cost)
         self._host: torch.Tensor | None = None  # pinned staging for per-forward metadata
         self._dev: torch.Tensor | None = None
         self._copied: Any = torch.cuda.Event() if pool.device.type == "cuda" else None  # type: ignore[no-untyped-call]
@@ -212,6 +213,7 @@ class ModelRunner:
         ``pages`` cover ``[0, cached_len + len(new_tokens))``. Returns ``[B, vocab]``."""
         if not seqs:
             raise ConfigError("forward needs at least one sequence")
+        self.captured_last = False
         q = len(seqs[0][0])
         if q == 0 or any(len(s[0]) != q for s in seqs):
             raise ConfigError("a batch needs the same, non-zero number of new tokens per sequence")
@@ -235,6 +237,7 @@ class ModelRunner:
         ctx_t = torch.tensor(ctx, dtype=torch.int64)
         if graph is not None:
             self._upload(graph.flat, ids, pos, write, read, ctx_t)
+            self.captured_last = graph.graph is None
             try:
                 logits = graph.run()
                 self.graph_replays += 1

@@ -162,6 +162,29 @@ def test_blocking_mode_serves_the_same_tokens() -> None:
     assert outs[0] == outs[1]
 
 
+def test_a_forward_that_captured_a_graph_does_not_teach_the_cost_model() -> None:
+    """Graph capture is one-time setup: such a prefill's time is no recompute sample."""
+    e = engine()
+    rng = random.Random(9)
+    samples = e.cache.cost.recompute.samples
+    e.generate([rng.randrange(512) for _ in range(20)])
+    assert len(samples) == 1
+    forward = e.runner.forward
+
+    def capturing(seqs: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
+        out = forward(seqs)
+        e.runner.captured_last = True  # as a CUDA forward that captured its graph reports
+        return out
+
+    e.runner.forward = capturing  # type: ignore[method-assign, assignment]
+    e.generate([rng.randrange(512) for _ in range(20)])
+    assert len(samples) == 1
+    e.runner.forward = forward  # type: ignore[method-assign]
+    e.generate([rng.randrange(512) for _ in range(20)])
+    assert len(samples) == 2
+    e.close()
+
+
 def test_mixed_workload_keeps_integrity() -> None:
     """200 requests over shared and rotating prefixes, served in continuous batches with
     random aborts, under L1 and L2 pressure."""
