@@ -30,9 +30,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefix-tokens", type=int, default=3500)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument(
+        "--kv",
+        choices=["qwen3-8b", "tiny"],
+        default="qwen3-8b",
+        help="KV geometry; tiny (1 layer, 1 head, dim 2) leaves the host bookkeeping without the copies",
+    )
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    g = KVGeometry(36, 8, 128, args.page_size, dtype)  # Qwen3-8B
+    g = (
+        KVGeometry(36, 8, 128, args.page_size, dtype)
+        if args.kv == "qwen3-8b"
+        else KVGeometry(1, 1, 2, args.page_size, dtype)
+    )
     ps = args.page_size
     pages = -(-(args.prefix_tokens + 9) // ps)
     cache = HiCache(

@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--no-verify-pages", action="store_true", help="skip the per-page digests (for bisecting)")
     ap.set_defaults(num_pages=None)
     args = ap.parse_args(argv)
     cuda = str(args.device).startswith("cuda")
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_hicache=True,
         l2_pages=per * (args.hot + args.rotating) // 2,
         l3_pages=per * (args.hot + args.rotating) * 2,
-        verify_pages=True,
+        verify_pages=not args.no_verify_pages,
     )
     vocab = int(engine.net.config.vocab_size)  # type: ignore[union-attr, arg-type]
     prefixes = [
@@ -276,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         "fault_rate": args.fault_rate,
         "abort_rate": args.abort_rate,
         "max_prefix_tokens": max_prefix,
+        "verify_pages": not args.no_verify_pages,
+        "transfer_backend": args.hicache_transfer_backend,
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
     }
     path = write_results(args.out, f"soak-{args.model}", args.device, meta, [row], args.tag)
     print(f"wrote {path}.json")

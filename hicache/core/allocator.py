@@ -15,6 +15,7 @@ allocate Python objects beyond its result.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from operator import itemgetter
 from typing import Generic, TypeVar
 
 from sortedcontainers import SortedList
@@ -102,6 +103,18 @@ class PageAllocator(Generic[P]):
 
     def check_allocated(self, ordered: Sequence[int]) -> None:
         """Raise PageOwnershipError unless ``ordered`` (ascending) are distinct allocated pages."""
+        if not ordered:
+            return
+        # NOTE: C-level checks first; the loop below only runs to name the bad page.
+        if (
+            set(map(type, ordered)) == {int}
+            and min(ordered) >= 0
+            and max(ordered) < self.capacity
+            and len(set(ordered)) == len(ordered)
+        ):
+            free = itemgetter(*ordered)(self._free) if len(ordered) > 1 else (self._free[ordered[0]],)
+            if not any(free):
+                return
         prev = -1
         for page in ordered:
             if isinstance(page, bool) or not isinstance(page, int):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from hicache.core.allocator import PageAllocator
 from hicache.core.geometry import DevicePage, HostPage, StorageSlot, TierSizes
@@ -113,6 +114,11 @@ class CacheCore:
         """Per-tier page-aligned hit lengths for ``tokens``. Changes nothing."""
         return self.tree.match_prefixes(as_tokens(tokens))
 
+    def match_valid(self, tokens: tuple[int, ...]) -> MatchResult:
+        """:meth:`match` for tokens already validated by ``as_tokens`` (a request's own,
+        matched several times per request: validation is an O(n) pass each time)."""
+        return self.tree.match_prefixes(tokens)
+
     def lock(self, match: TierMatch) -> Lease:
         """Pin a match so its pages cannot be evicted (per tier; the whole path)."""
         return self.tree.lock(match)
@@ -129,7 +135,8 @@ class CacheCore:
         """The L1 pages of an L1 match in token order, typed."""
         if match.tier is not Tier.L1:
             raise MisuseError(f"pages_l1 needs an L1 match, got {match.tier.name}")
-        return [DevicePage(p) for p in self.tree.pages_of(match)]
+        # NOTE: DevicePage is a NewType (the identity at run time): no per-page call.
+        return cast(list[DevicePage], self.tree.pages_of(match))
 
     # -- insert ----------------------------------------------------------------------------
 

@@ -142,7 +142,7 @@ class Controller:
         """Match ``tokens`` (changes no residency) and pin the L1 hit for a new request."""
         self._enter()
         toks = as_tokens(tokens)
-        hit = self.core.match(toks)
+        hit = self.core.match_valid(toks)
         lease = self.core.lock(hit.l1) if hit.l1.length else None
         req = Request(next(self._ids), toks, hit.lengths, hit.l1.length, lease)
         self._requests[req.id] = req
@@ -158,7 +158,7 @@ class Controller:
         """Where to restore from, by the policy and cost model (a decision only)."""
         self._enter()
         self._live(req)
-        n1, n2, n3 = self.core.match(req.tokens).lengths
+        n1, n2, n3 = self.core.match_valid(req.tokens).lengths
         if self.storage is None:
             n3 = 0
         plan = self.cost.decide(n1, n2, n3)
@@ -171,7 +171,7 @@ class Controller:
         self._live(req)
         if req.lease is None:
             return []
-        hit = self.core.match(req.tokens).l1
+        hit = self.core.match_valid(req.tokens).l1
         return self.core.pages_l1(hit)[: req.cached_len // self.core.page_size]
 
     def allocate(self, req: Request, n: int) -> list[DevicePage] | None:
@@ -262,7 +262,7 @@ class Controller:
         plan = plan or self.plan(req)
         if plan.tier is Tier.L1 or plan.tokens <= req.cached_len:
             return None
-        hit = self.core.match(req.tokens)
+        hit = self.core.match_valid(req.tokens)
         restore = PendingRestore(req, plan, "s2h" if plan.tier is Tier.L3 else "h2d", time.perf_counter())
         req.restore = restore
         if plan.tier is Tier.L3 and hit.l3.length > hit.l2.length:
@@ -439,7 +439,7 @@ class Controller:
 
     def _repin(self, req: Request) -> None:
         """Move the request's L1 pin to its current (published) L1 match."""
-        hit = self.core.match(req.tokens).l1
+        hit = self.core.match_valid(req.tokens).l1
         lease = self.core.lock(hit) if hit.length else None
         if req.lease is not None:
             self.core.release(req.lease)

@@ -20,9 +20,10 @@ policy then chose L3 for 59 of 80 requests and ran at 0.84 of forced recompute.
 Two more departures from §7, both for the ``n * s_r`` rule, which needs the slope itself:
 
 - The fixed cost and the slope are fitted only once the window's sizes span a factor of two
-  (smallest <= largest / 2); full prefills of similar prompts (350-374 tokens) fitted a slope
-  of 0 from noise. Within that, a signed EWMA of residuals: §7's positive-only one could
-  learn that a source is slower than its prior, never that it is faster.
+  (smallest <= largest / 2): over a narrower span, timing noise decides the slope, and a
+  slope near 0 would say restores save nothing. Within that, a signed EWMA of residuals:
+  §7's positive-only one could learn that a source is slower than its prior, never that it
+  is faster.
 - Exploration: a source whose read direction has fewer than ``explore`` samples is tried
   (at most ``explore`` times) when no candidate wins on the priors, provided its predicted
   restore costs at most twice what it saves. Priors can be wrong by 2x (page-cached storage
