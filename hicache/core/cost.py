@@ -17,13 +17,16 @@ either way: a restore saves ``n * s_r``, not ``f_r + n * s_r``. Counting ``f_r``
 close call toward restoring; on the H200 with a cold disk (Qwen3-8B, f_r ≈ 12 ms) the cost
 policy then chose L3 for 59 of 80 requests and ran at 0.84 of forced recompute.
 
-Two more departures from §7, both for the ``n * s_r`` rule, which needs the slope itself:
+More departures from §7, all for the ``n * s_r`` rule, which needs the slope itself:
 
 - The fixed cost and the slope are fitted only once the window's sizes span a factor of two
   (smallest <= largest / 2): over a narrower span, timing noise decides the slope, and a
   slope near 0 would say restores save nothing. Within that, a signed EWMA of residuals:
   §7's positive-only one could learn that a source is slower than its prior, never that it
   is faster.
+- A negative fitted slope leaves the recompute model at its prior slope (transfers keep
+  §7's (mean, 0)): one graph-capturing prefill in the window did that on the H200, and for
+  32 requests restores "saved nothing".
 - Exploration: a source whose read direction has fewer than ``explore`` samples is tried
   (at most ``explore`` times) when no candidate wins on the priors, provided its predicted
   restore costs at most twice what it saves. Priors can be wrong by 2x (page-cached storage
@@ -68,6 +71,9 @@ class AffineCost:
     prior_slope: float
     fixed: float = 0.0
     window: int = 32
+    # A negative fitted slope: §7 says (mean, 0). For recompute, whose slope is what a
+    # restore saves, a slope of 0 would say restores save nothing; it keeps its prior.
+    negative_keeps_prior: bool = False
     slope: float = field(init=False)
     samples: deque[tuple[float, float]] = field(init=False)
 
@@ -106,7 +112,10 @@ class AffineCost:
         cov = sum((x - mean_x) * (t - mean_y) for x, t in self.samples)
         slope = cov / var
         if slope < 0:
-            self.fixed, self.slope = max(0.0, mean_y), 0.0
+            if self.negative_keeps_prior:
+                self.fixed, self.slope = max(0.0, mean_y - self.prior_slope * mean_x), self.prior_slope
+            else:
+                self.fixed, self.slope = max(0.0, mean_y), 0.0
             return
         fixed = mean_y - slope * mean_x
         if fixed < 0:
@@ -166,7 +175,7 @@ class CostModel:
             raise ConfigError(f"bytes_per_token must be positive, got {bytes_per_token}")
         self.priors = p = priors or CostPriors()
         self.bytes_per_token = bytes_per_token
-        self.recompute = AffineCost(p.recompute_s_per_token)
+        self.recompute = AffineCost(p.recompute_s_per_token, negative_keeps_prior=True)
         self.transfer = {
             Direction.H2D: AffineCost(1 / (p.host_gib_s * GiB)),
             Direction.D2H: AffineCost(1 / (p.host_gib_s * GiB)),

@@ -170,6 +170,22 @@ def test_negative_fits_are_clamped() -> None:
     assert b.fixed == 0.0 and b.slope > 0
 
 
+def test_an_outlier_cannot_make_recompute_free() -> None:
+    """One slow small prefill (a graph capture, a first kernel load) among full ones fits a
+    negative slope; the recompute model keeps its prior slope instead of 0, so a restore
+    still saves n * s_r."""
+    m = CostModel(QWEN8B)
+    m.observe_prefill(22, 0.5)
+    for _ in range(31):
+        m.observe_prefill(358, 0.030)
+    assert m.recompute.slope == 50e-6 and m.recompute.fixed > 0
+    assert m.decide(0, 336, 0).tier is Tier.L2
+    t = AffineCost(prior_slope=1.0)  # transfers keep §7's rule: (mean, 0)
+    for x, sec in ((10, 5.0), (20, 4.0), (30, 3.0)):
+        t.observe(x, sec)
+    assert t.slope == 0.0
+
+
 def test_window_is_32() -> None:
     a = AffineCost(prior_slope=1.0)
     for i in range(100):
