@@ -2,7 +2,8 @@
 # GPU-side runs, in phases, for device calls. Usage on the GPU machine, from the repo root:
 #   bash bench/gpu_e2e.sh tests latency8b     (phases run in the order given)
 # Phases: tests, transfer (race demo, transfer and storage benchmarks), latency8b, latency8b-quick,
-# latency4b, stress8b, stress4b, soak (SOAK_MINUTES, default 5), soak-bisect, bookkeeping.
+# latency4b, stress8b, stress4b (STRESS_REPEATS, default 3: ~7.5 min each), soak (SOAK_MINUTES, default 5),
+# soak-bisect (~9 min), bookkeeping.
 # Results go to $OUT (default bench/results).
 set -uo pipefail
 OUT=${OUT:-bench/results}
@@ -31,14 +32,16 @@ for phase in "$@"; do
     latency8b-quick) (cd bench && python3 bench_hicache.py --model qwen3-8b --prefix-tokens 350 3500 --tiers none l2 \
         --out "$OUT" --tag h200-quick 2>&1 | grep -v "it/s\]" | tail -12) ;;
     latency4b) (cd bench && python3 bench_hicache.py --model qwen3-4b --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
-    stress8b) (cd bench && python3 bench_hicache_stress.py --model qwen3-8b --disk-dir "$PWD" --out "$OUT" 2>&1 | tail -18) ;;
-    stress4b) (cd bench && python3 bench_hicache_stress.py --model qwen3-4b --disk-dir "$PWD" --out "$OUT" 2>&1 | tail -18) ;;
-    soak-bisect)  # where the GPU soak's resident memory grows: 2.5 minutes per variant
+    stress8b) (cd bench && python3 bench_hicache_stress.py --model qwen3-8b --disk-dir "$PWD" --repeats "${STRESS_REPEATS:-3}" \
+        --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -18) ;;
+    stress4b) (cd bench && python3 bench_hicache_stress.py --model qwen3-4b --disk-dir "$PWD" --repeats "${STRESS_REPEATS:-3}" \
+        --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -18) ;;
+    soak-bisect)  # where the GPU soak's resident memory grows: 1.75 minutes per variant
       for v in "torch:--hicache-transfer-backend torch" "noverify:--no-verify-pages" "arena1:" "mmapfixed:"; do
         name=${v%%:*}; flags=${v#*:}; env=()
         [ "$name" = arena1 ] && env=(MALLOC_ARENA_MAX=1)
         [ "$name" = mmapfixed ] && env=(MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072)
-        env "${env[@]}" python3 bench/soak.py --model qwen3-4b --device cuda --minutes 2.5 --out "$OUT" \
+        env "${env[@]}" python3 bench/soak.py --model qwen3-4b --device cuda --minutes 1.75 --out "$OUT" \
           --tag "h200-$name" $flags 2>&1 | grep -E "RSS|errors|leaks"
       done ;;
     soak) python3 bench/soak.py --model qwen3-4b --device cuda --minutes "${SOAK_MINUTES:-5}" --out "$OUT" 2>&1 | tail -25 ;;
