@@ -79,17 +79,17 @@ def rss_after_capture(timeline: list[dict[str, float]], final_rss: int) -> int |
 
 def resources(engine: Engine) -> dict[str, int]:
     st = engine.cache.status()
-    core = st["core"]
+    core = st.core
     out = {
         "rss_bytes": rss_bytes(),
         "open_fds": len(os.listdir("/proc/self/fd")),
-        "pinned_workspace_bytes": int(st["transfer"].get("workspace_pinned_bytes", 0)),
-        "idle_workspaces": int(st["transfer"].get("workspaces", 0)),
-        "pending_transfers": int(st["pending_backups"] + st["pending_restores"]),
-        "leases": int(core["leases"]),
-        "private_l1_pages": int(core["tiers"][0]["private"]),
-        "in_flight_pages": sum(int(t["in_flight"]) for t in core["tiers"]),
-        "requests": int(st["requests"]),
+        "pinned_workspace_bytes": int(st.transfer.get("workspace_pinned_bytes", 0)),
+        "idle_workspaces": int(st.transfer.get("workspaces", 0)),
+        "pending_transfers": st.pending_backups + st.pending_restores,
+        "leases": core.leases,
+        "private_l1_pages": core.tiers[0].private,
+        "in_flight_pages": sum(t.in_flight for t in core.tiers),
+        "requests": st.requests,
     }
     if engine.cuda:
         out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()

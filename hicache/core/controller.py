@@ -39,6 +39,7 @@ from hicache.core.geometry import DevicePage
 from hicache.core.metrics import Metrics
 from hicache.core.node import Lease, Node, Transfer
 from hicache.core.protocols import DeviceMover, StorageMover, TicketLike
+from hicache.core.status import ControllerStatus
 from hicache.core.tokens import as_tokens
 from hicache.errors import ConfigError, HandleError, MisuseError
 from hicache.spec.model import Direction, Tier
@@ -448,20 +449,20 @@ class Controller:
 
     # -- observability and shutdown ----------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        """Capacity/free/protected/evictable per tier, pending work, backends, cost model."""
-        core = self.core.status().to_dict()
-        return {
-            "core": core,
-            "pending_backups": sum(1 for j in self._jobs.values() if j.restore is None),
-            "pending_restores": sum(1 for j in self._jobs.values() if j.restore is not None),
-            "requests": len(self._requests),
-            "write_policy": self.write_policy.value,
-            "transfer": self.device.status(),
-            "storage": None if self.storage is None else self.storage.status(),
-            "cost_model": self.cost.state(),
-            "metrics": self.metrics.to_dict(),
-        }
+    def status(self) -> ControllerStatus:
+        """Capacity/free/protected/evictable per tier, pending work, backends, cost model,
+        metrics; typed (``.to_dict()`` for JSON)."""
+        return ControllerStatus(
+            core=self.core.status(),
+            pending_backups=sum(1 for j in self._jobs.values() if j.restore is None),
+            pending_restores=sum(1 for j in self._jobs.values() if j.restore is not None),
+            requests=len(self._requests),
+            write_policy=self.write_policy.value,
+            transfer=self.device.status(),
+            storage=None if self.storage is None else self.storage.status(),
+            cost_model=self.cost.state(),
+            metrics=self.metrics.to_dict(),
+        )
 
     def prometheus(self) -> str:
         return self.metrics.prometheus({t.name: self.core.evictions[t] for t in Tier})

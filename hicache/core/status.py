@@ -28,3 +28,23 @@ class CoreStatus:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerStatus:
+    """The controller's status (DESIGN.md §8): the core's tiers, pending work, the chosen
+    transfer backends and their autotune timings, the storage, the cost model's state and
+    the metrics. ``to_dict()`` is JSON-serializable."""
+
+    core: CoreStatus
+    pending_backups: int
+    pending_restores: int
+    requests: int  # admitted and not released
+    write_policy: str
+    transfer: dict[str, Any]
+    storage: dict[str, Any] | None
+    cost_model: dict[str, Any]
+    metrics: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -388,7 +388,7 @@ class Engine:
             "active": {st: sum(1 for s in self._active.values() if s.state == st) for st in get_args(State)},
             "stats": self.stats.__dict__.copy(),
             "graphs": {"replays": self.runner.graph_replays, "eager": self.runner.eager_forwards},
-            "cache": self.cache.status(),
+            "cache": self.cache.status().to_dict(),
         }
 
     def close(self) -> None:

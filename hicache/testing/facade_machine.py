@@ -164,7 +164,7 @@ class FacadeMachine(RuleBasedStateMachine):
                     m.finish(0, True)
             self.cache.poll()
             st_ = self.cache.status()
-            if not st_["pending_backups"] and not st_["pending_restores"]:
+            if not st_.pending_backups and not st_.pending_restores:
                 return
             if not self.movers:
                 import time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -39,7 +40,8 @@ def prefill(c: HiCache, tokens: list[int]) -> tuple[Request, torch.Tensor]:
 def drain(c: HiCache) -> None:
     for _ in range(1000):
         c.poll()
-        if not c.status()["pending_backups"] and not c.status()["pending_restores"]:
+        st = c.status()
+        if not st.pending_backups and not st.pending_restores:
             return
         threading.Event().wait(0.001)
     raise AssertionError("transfers never finished")
@@ -130,9 +132,9 @@ def test_abort_mid_restore_leaks_nothing() -> None:
     c.release(req)  # abort while the S2H is in flight
     drain(c)
     assert (stage_at_start, pending.finished, pending.stage) == ("s2h", True, "cancelled")
-    st = c.status()["core"]
-    assert st["leases"] == 0 and st["tiers"][0]["private"] == 0
-    assert all(t["in_flight"] == 0 for t in st["tiers"])
+    st = c.status().core
+    assert st.leases == 0 and st.tiers[0].private == 0
+    assert all(t.in_flight == 0 for t in st.tiers)
     c.check_integrity()
     c.close()
 
@@ -151,8 +153,8 @@ def test_pages_the_tree_refuses_stay_with_the_request() -> None:
     assert not set(b.private) & set(c.core.l1.free_pages())
     c.core.fail(h2d)
     c.release(b)
-    st = c.status()["core"]
-    assert st["leases"] == 0 and st["tiers"][0]["private"] == 0
+    st = c.status().core
+    assert st.leases == 0 and st.tiers[0].private == 0
     c.check_integrity()
     c.close()
 
@@ -208,8 +210,8 @@ def test_l3_file_changed_underneath(tmp_path: Path, how: str) -> None:
     else:
         assert c.metrics.fallbacks == 1 and req.cached_len == 0 and c.metrics.directions["S2H"].failed == 1
     c.release(req)
-    st = c.status()["core"]
-    assert st["leases"] == 0 and all(t["in_flight"] == 0 for t in st["tiers"])
+    st = c.status().core
+    assert st.leases == 0 and all(t.in_flight == 0 for t in st.tiers)
     c.check_integrity()
     c.close()
 
@@ -299,7 +301,8 @@ def test_status_and_prometheus() -> None:
     c = make()
     req, _ = prefill(c, list(range(8)))
     drain(c)
-    st = c.status()
+    st = c.status().to_dict()
+    json.dumps(st)  # JSON-serializable (§8)
     assert st["core"]["tiers"][1]["capacity"] == 8
     assert st["metrics"]["directions"]["D2H"]["count"] == 1
     assert set(st["cost_model"]) >= {"policy", "recompute", "H2D", "S2H"}

@@ -138,8 +138,8 @@ def test_decode_overlaps_a_pending_restore_and_abort_mid_restore_leaks_nothing()
     assert e.abort(rid) and not e.abort(rid)
     e.cache.drain()
     st = e.cache.status()
-    assert st["requests"] == 0 and st["core"]["leases"] == 0 and st["pending_restores"] == 0
-    assert st["core"]["tiers"][0]["private"] == 0 and st["core"]["tiers"][0]["in_flight"] == 0
+    assert st.requests == 0 and st.core.leases == 0 and st.pending_restores == 0
+    assert st.core.tiers[0].private == 0 and st.core.tiers[0].in_flight == 0
     assert e.cache.core.match(a).lengths[1] == 40  # the abandoned S2H landed in L2, with the tree
     e.cache.check_integrity()
     e.close()
@@ -210,8 +210,8 @@ def test_mixed_workload_keeps_integrity() -> None:
     assert served + aborted == 200 and e.stats.finished == served
     e.cache.drain()
     st = e.cache.status()
-    assert st["requests"] == 0 and st["core"]["leases"] == 0
-    assert st["metrics"]["hit_tokens"]["L1"] > 0
+    assert st.requests == 0 and st.core.leases == 0
+    assert st.metrics["hit_tokens"]["L1"] > 0
     assert e.stats.decode_batches > 0 and e.stats.decode_tokens > e.stats.decode_batches  # batched
     e.cache.check_integrity()
     e.close()

@@ -39,7 +39,7 @@ def test_restore_from_l3_on_cuda(page_size: int, blocking: bool, backend: Transf
     want = c.l1.buffer[:, :, own].clone()
     c.insert(req, own)
     c.release(req)
-    while c.status()["pending_backups"]:
+    while c.status().pending_backups:
         c.poll()
     assert c.core.match(tokens).lengths == (96, 96, 96)
     c.core.evict(Tier.L1, 10**6)
