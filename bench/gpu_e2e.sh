@@ -3,7 +3,7 @@
 #   bash bench/gpu_e2e.sh tests latency8b     (phases run in the order given)
 # Phases: tests, transfer (race demo, transfer and storage benchmarks), latency8b, latency8b-quick,
 # latency4b, stress8b, stress4b (STRESS_REPEATS, default 3: ~7.5 min each), soak (SOAK_MINUTES, default 5),
-# soak-bisect (~9 min), bookkeeping.
+# soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
 # Results go to $OUT (default bench/results).
 set -uo pipefail
 OUT=${OUT:-bench/results}
@@ -36,13 +36,19 @@ for phase in "$@"; do
         --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -18) ;;
     stress4b) (cd bench && python3 bench_hicache_stress.py --model qwen3-4b --disk-dir "$PWD" --repeats "${STRESS_REPEATS:-3}" \
         --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -18) ;;
-    soak-bisect)  # where the GPU soak's resident memory grows: 1.75 minutes per variant
-      for v in "torch:--hicache-transfer-backend torch" "noverify:--no-verify-pages" "arena1:" "mmapfixed:"; do
-        name=${v%%:*}; flags=${v#*:}; env=()
-        [ "$name" = arena1 ] && env=(MALLOC_ARENA_MAX=1)
-        [ "$name" = mmapfixed ] && env=(MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072)
-        env "${env[@]}" python3 bench/soak.py --model qwen3-4b --device cuda --minutes 1.75 --out "$OUT" \
-          --tag "h200-$name" $flags 2>&1 | grep -E "RSS|errors|leaks"
+    soak-bisect)  # where the GPU soak's resident memory grows: one short soak per variant (SOAK_VARIANTS)
+      for name in ${SOAK_VARIANTS:-base nograph torch mmapfixed}; do
+        env=(); flags=()
+        case $name in
+          nograph) flags=(--disable-cuda-graph) ;;
+          torch) flags=(--hicache-transfer-backend torch) ;;
+          noverify) flags=(--no-verify-pages) ;;
+          arena1) env=(MALLOC_ARENA_MAX=1) ;;
+          mmapfixed) env=(MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072) ;;
+        esac
+        echo "-- $name"
+        env "${env[@]}" python3 bench/soak.py --model qwen3-4b --device cuda --minutes "${SOAK_BISECT_MINUTES:-1.75}" \
+          --sample-s 15 --out "$OUT" --tag "h200-$name" "${flags[@]}" 2>&1 | grep -E "RSS|errors|leaks|anon memory"
       done ;;
     soak) python3 bench/soak.py --model qwen3-4b --device cuda --minutes "${SOAK_MINUTES:-5}" --out "$OUT" 2>&1 | tail -25 ;;
   esac

@@ -19,6 +19,7 @@ an error, a wrong page or a failed integrity check.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import random
 import sys
@@ -57,6 +58,58 @@ def rss_parts_mib() -> dict[str, float]:
             if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
                 key, value = line.split(":")
                 out[key.lower().replace("rss", "rss_")] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            *("arena", "ordblks", "smblks", "hblks", "hblkhd"),
+            *("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"),
+        )
+    ]
+
+
+def memory_breakdown() -> dict[str, float]:
+    """Where anonymous resident memory sits, MiB (counts as counts): glibc malloc in use and
+    free in its arenas (``mallinfo2``), Python's allocated blocks, the brk heap and the
+    anonymous mappings from /proc/self/smaps, and the CUDA pinned-host allocator's blocks.
+    Growth in ``malloc_free`` is fragmentation, in ``malloc_used`` or ``py_blocks`` live
+    objects, in ``anon_maps`` without either a non-malloc mapping (driver, JIT)."""
+    mib = 2**20
+    out: dict[str, float] = {"py_blocks": float(sys.getallocatedblocks())}
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        mi = libc.mallinfo2()
+        out["malloc_used"] = round(mi.uordblks / mib, 1)
+        out["malloc_free"] = round(mi.fordblks / mib, 1)
+        out["malloc_mmapped"] = round(mi.hblkhd / mib, 1)
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        pass
+    heap = anon = 0
+    anon_maps = 0
+    current: str | None = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=6)
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                path = head[5].strip() if len(head) > 5 else ""
+                current = "heap" if path == "[heap]" else ("anon" if not path else None)
+                anon_maps += current == "anon"
+            elif head[0] == "Rss:" and current is not None:
+                kib = int(head[1])
+                if current == "heap":
+                    heap += kib
+                else:
+                    anon += kib
+    out["heap"] = round(heap / 1024, 1)
+    out["anon_maps_rss"] = round(anon / 1024, 1)
+    out["anon_maps"] = float(anon_maps)
+    if torch.cuda.is_available():
+        host = torch.cuda.host_memory_stats()
+        out["pinned_host_cached"] = round(host.get("allocated_bytes.current", 0) / mib, 1)
     return out
 
 
@@ -170,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                     "finished": done,
                     "rss_mib": round(rss_bytes() / 2**20, 1),
                     **rss_parts_mib(),
+                    **memory_breakdown(),
                     "graphs": engine.runner.graphs_captured,
                 }
             )
@@ -269,6 +323,13 @@ def main(argv: list[str] | None = None) -> int:
             for r in timeline
         )
     )
+    keys = ("malloc_used", "malloc_free", "malloc_mmapped", "heap", "anon_maps_rss", "anon_maps", "py_blocks")
+    if timeline:
+        first, last = timeline[0], timeline[-1]
+        print(
+            f"  {'anon memory':<22} "
+            + ", ".join(f"{k} {first.get(k, 0):.0f} -> {last.get(k, 0):.0f}" for k in (*keys, "pinned_host_cached"))
+        )
     meta = {
         "model": args.model,
         "dtype": str(dtype_of(args)),
