@@ -19,7 +19,9 @@ an error, a wrong page or a failed integrity check.
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
+import gc
 import os
 import random
 import sys
@@ -113,6 +115,19 @@ def memory_breakdown() -> dict[str, float]:
     return out
 
 
+def object_census() -> tuple[collections.Counter[str], int]:
+    """Live GC-tracked objects by type, and the bytes of distinct CPU tensor storages."""
+    gc.collect()
+    census: collections.Counter[str] = collections.Counter()
+    storages: dict[int, int] = {}
+    for o in gc.get_objects():
+        census[type(o).__qualname__] += 1
+        if isinstance(o, torch.Tensor) and o.device.type == "cpu" and not o.is_meta:
+            st = o.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return census, sum(storages.values())
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -196,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = None if args.minutes is None else time.monotonic() + 60 * args.minutes
     total = args.requests if deadline is None else 10**9
     baseline: dict[str, int] = {}
+    census0: collections.Counter[str] = collections.Counter()
+    cpu_tensor_bytes0 = 0
     submitted = done = integrity_checks = 0
     t0 = time.perf_counter()
     bar = tqdm(total=None if deadline else total, desc="soak", mininterval=5)
@@ -251,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.cache.drain()
                 faults.clear()
                 baseline = resources(engine)
+                census0, cpu_tensor_bytes0 = object_census()
     bar.close()
     wall = time.perf_counter() - t0
     faults.clear()  # faults not yet consumed by an operation
@@ -261,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     engine.cache.check_integrity()
     integrity_checks += 1
     final = resources(engine)
+    census1, cpu_tensor_bytes1 = object_census()
+    grown = (census1 - census0).most_common(12) if baseline else []
     m = engine.cache.metrics
     # RSS is reported; the transfer engine keeps its largest idle workspace by design (so
     # pinned workspace bytes may grow once, to the largest transfer's need): at most one.
@@ -286,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         "rss_timeline": timeline,
         "rss_growth_after_last_capture_bytes": rss_after_capture(timeline, final["rss_bytes"]),
         "graphs_captured": engine.runner.graphs_captured,
+        "objects_grown": dict(grown),
+        "cpu_tensor_bytes": [cpu_tensor_bytes0, cpu_tensor_bytes1],
         "leaks": leaks,
     }
     engine.close()
@@ -323,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in timeline
         )
     )
+    print(f"  {'objects grown':<22} {dict(grown) or 'none'}")
+    print(f"  {'CPU tensor bytes':<22} {row['cpu_tensor_bytes'][0] / 2**20:.1f} -> {cpu_tensor_bytes1 / 2**20:.1f} MiB")
     keys = ("malloc_used", "malloc_free", "malloc_mmapped", "heap", "anon_maps_rss", "anon_maps", "py_blocks")
     if timeline:
         first, last = timeline[0], timeline[-1]
