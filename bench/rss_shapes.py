@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         "masked": torch._fused_sdp_choice(probe_q, probe_k, probe_k, probe_m),
         "causal": torch._fused_sdp_choice(probe_q, probe_k, probe_k, None, 0.0, True),
     }
-    names = {b.value: b.name for b in SDPBackend}
+    names = {b.value: n for n, b in SDPBackend.__members__.items()}
     cudnn = torch.backends.cudnn.version()  # type: ignore[no-untyped-call]
     print(f"torch {torch.__version__}, cuDNN {cudnn}, {torch.cuda.get_device_name()}")
     print("default SDPA backend: " + ", ".join(f"{k} -> {names.get(v, v)}" for k, v in chosen.items()))
