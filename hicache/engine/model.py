@@ -12,6 +12,7 @@ attention functions. Token slots are flat: slot ``s`` is page ``s // page_size``
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hicache.backends.pools import DevicePool
 from hicache.core.geometry import KVGeometry
@@ -162,6 +164,11 @@ class ModelRunner:
     model launches thousands of small kernels, and for a handful of tokens the launches,
     not the GPU, set the time. Contexts are padded to ``graph_bucket`` tokens (masked).
     Large prefills run eagerly (their kernels are long enough to hide the launches).
+
+    On CUDA, attention runs without cuDNN's SDPA backend unless ``cudnn_attention``: cuDNN
+    keeps a host-side execution plan for every distinct shape it sees and never evicts one,
+    and an engine's shapes (prompt tails, batch sizes, context lengths) keep changing; in the
+    GPU soak that grew resident memory by about 4 MiB a second (docs/RELIABILITY.md).
     """
 
     def __init__(
@@ -173,6 +180,7 @@ class ModelRunner:
         graph_tokens: int = 64,
         graph_bucket: int = 256,
         max_graphs: int = 64,
+        cudnn_attention: bool = False,
     ) -> None:
         self.net = net
         self.pool = pool
@@ -189,6 +197,11 @@ class ModelRunner:
         self._host: torch.Tensor | None = None  # pinned staging for per-forward metadata
         self._dev: torch.Tensor | None = None
         self._copied: Any = torch.cuda.Event() if pool.device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self._backends = (
+            None
+            if pool.device.type != "cuda" or cudnn_attention
+            else [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        )
 
     @property
     def graphs_captured(self) -> int:
@@ -211,6 +224,10 @@ class ModelRunner:
         """``seqs``: ``(new_tokens, pages, cached_len)`` each; all in one batch must have the
         same number of new tokens (prefill batches, or decode batches of one token each).
         ``pages`` cover ``[0, cached_len + len(new_tokens))``. Returns ``[B, vocab]``."""
+        with contextlib.nullcontext() if self._backends is None else sdpa_kernel(self._backends):
+            return self._forward(seqs)
+
+    def _forward(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]]) -> torch.Tensor:
         if not seqs:
             raise ConfigError("forward needs at least one sequence")
         self.captured_last = False

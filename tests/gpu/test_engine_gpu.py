@@ -4,11 +4,15 @@ requests against L1 hits (bit-identical: same pages, same kernels)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 import torch
 
-from hicache.engine import Engine
+from hicache.backends.pools import DevicePool
+from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
+from hicache.engine.model import PRESETS
 from hicache.spec.model import Tier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -76,3 +80,27 @@ def test_a_padded_graph_batch_serves_concurrent_requests() -> None:
     assert e.stats.decode_tokens > e.stats.decode_batches and e.runner.graph_replays > 0
     e.cache.check_integrity()
     e.close()
+
+
+@pytest.mark.parametrize("cudnn", [False, True])
+def test_attention_runs_without_cudnn_sdpa_unless_asked(cudnn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's SDPA caches a host-side plan per shape without bound (the GPU soak's RSS
+    growth): the runner turns it off around its forwards, and restores the setting."""
+    enabled = cast(Callable[[], bool], torch.backends.cuda.cudnn_sdp_enabled)
+    seen: list[bool] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    net = build_model("tiny", device="cuda")
+    pool = DevicePool.allocate(kv_geometry(net, 16), 16, "cuda")
+    run = ModelRunner(net, pool, cuda_graphs=False, cudnn_attention=cudnn)
+    before = enabled()
+    run.forward([(list(range(40)), [0, 1, 2], 0)])  # a fresh prefill
+    run.forward([([7], [0, 1, 2], 40)])  # a decode step over the pages
+    assert len(seen) == 2 * int(PRESETS["tiny"]["num_hidden_layers"])
+    assert all(s == (cudnn and before) for s in seen)
+    assert enabled() == before
