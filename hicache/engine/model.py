@@ -28,8 +28,6 @@ from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError
 
 ATTENTION = "hicache_paged"
-_EAGER_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # no cuDNN
-_ALL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *_EAGER_BACKENDS]
 
 _TINY: dict[str, Any] = dict(
     vocab_size=512,
@@ -167,12 +165,10 @@ class ModelRunner:
     not the GPU, set the time. Contexts are padded to ``graph_bucket`` tokens (masked).
     Large prefills run eagerly (their kernels are long enough to hide the launches).
 
-    On CUDA, eager forwards run attention without cuDNN's SDPA backend unless
-    ``cudnn_attention``: cuDNN keeps a host-side execution plan for every distinct shape it
-    sees and never evicts one, and eager shapes (prompt tails, batch sizes, context lengths)
-    keep changing; in the GPU soak that grew resident memory by about 4 MiB a second
-    (docs/RELIABILITY.md). Graph captures keep cuDNN (their shapes are bucketed and at most
-    ``max_graphs``): for a few new tokens over a long context it is the fastest backend.
+    On CUDA, attention runs without cuDNN's SDPA backend unless ``cudnn_attention``: cuDNN
+    keeps a host-side execution plan for every distinct shape it sees and never evicts one,
+    and an engine's shapes (prompt tails, batch sizes, context lengths) keep changing; in the
+    GPU soak that grew resident memory by about 4 MiB a second (docs/RELIABILITY.md).
     """
 
     def __init__(
@@ -201,7 +197,11 @@ class ModelRunner:
         self._host: torch.Tensor | None = None  # pinned staging for per-forward metadata
         self._dev: torch.Tensor | None = None
         self._copied: Any = torch.cuda.Event() if pool.device.type == "cuda" else None  # type: ignore[no-untyped-call]
-        self._backends = None if pool.device.type != "cuda" or cudnn_attention else _EAGER_BACKENDS
+        self._backends = (
+            None
+            if pool.device.type != "cuda" or cudnn_attention
+            else [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        )
 
     @property
     def graphs_captured(self) -> int:
@@ -334,20 +334,15 @@ class _Graph:
     def run(self) -> torch.Tensor:
         """Replay (capturing first if needed) on the inputs already in ``flat``."""
         if self.graph is None:
-            with sdpa_kernel(_ALL_BACKENDS):  # bounded shapes: cuDNN allowed (see ModelRunner)
-                self._capture()
-        assert self.graph is not None
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._body()  # warm-up: lazy initialisation stays out of the graph
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mempool):
+                self.out = self._body()
+            self.graph = graph
         self.graph.replay()
         assert self.out is not None
         return self.out.clone()
-
-    def _capture(self) -> None:
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._body()  # warm-up: lazy initialisation stays out of the graph
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            self.out = self._body()
-        self.graph = graph
