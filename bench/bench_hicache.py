@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         "iterations": args.iterations,
         "warmup": args.warmup,
         "cuda_graphs": not args.disable_cuda_graph,
+        "attention": args.attention,
+        "attention_cudnn": args.attention_cudnn,
     }
     stem = write_results(args.out, f"bench_hicache-{args.model}", args.device, meta, rows, args.tag)
     print(f"\nTTFT by tier, {args.model} ({dtype}), {device}, {date.today()}; median of {args.iterations}")

@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 "decoders",
                 "decode_tokens",
                 "repeats",
+                "attention",
+                "attention_cudnn",
             )
         },
     }

@@ -365,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         "verify_pages": not args.no_verify_pages,
         "transfer_backend": args.hicache_transfer_backend,
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+        "attention": args.attention,
+        "attention_cudnn": args.attention_cudnn,
     }
     path = write_results(args.out, f"soak-{args.model}", args.device, meta, [row], args.tag)
     print(f"wrote {path}.json")

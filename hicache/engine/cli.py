@@ -30,6 +30,18 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--num-pages", type=int, default=4096, help="L1 pages (the GPU page pool)")
     g.add_argument("--max-batch", type=int, default=32, help="requests running at once")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run small batches eagerly too")
+    g.add_argument(
+        "--attention",
+        choices=["gqa", "fold"],
+        default="gqa",
+        help="attention over cached context: SDPA with enable_gqa, or query groups folded into plain SDPA",
+    )
+    g.add_argument(
+        "--attention-cudnn",
+        choices=["off", "graphs", "on"],
+        default="off",
+        help="cuDNN's SDPA backend: off (it holds memory per shape), only in CUDA-graph captures, or on",
+    )
     h = ap.add_argument_group("hicache")
     h.add_argument("--enable-hicache", action="store_true", help="L2/L3 behind the L1 prefix cache")
     h.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 pages per L1 page")
@@ -87,6 +99,8 @@ def engine_from_args(args: argparse.Namespace, net: torch.nn.Module | None = Non
         num_pages=args.num_pages,
         max_batch=args.max_batch,
         cuda_graphs=not args.disable_cuda_graph,
+        attention=args.attention,
+        cudnn=args.attention_cudnn,
         enable_hicache=args.enable_hicache,
         storage_path=args.hicache_storage_path,
         storage_direct=args.hicache_storage_direct,

@@ -33,7 +33,7 @@ from hicache.core.controller import PendingRestore, Request, WritePolicy
 from hicache.core.cost import CostPriors
 from hicache.core.geometry import DevicePage
 from hicache.core.tokens import as_tokens
-from hicache.engine.model import ModelRunner, build_model, kv_geometry
+from hicache.engine.model import AttentionImpl, CudnnUse, ModelRunner, build_model, kv_geometry
 from hicache.errors import ConfigError
 from hicache.facade import HiCache, HiCacheConfig
 from hicache.spec.model import Tier
@@ -119,6 +119,8 @@ class Engine:
         max_batch: int = 32,
         prefills_before_decode: int = 1,
         cuda_graphs: bool = True,
+        attention: AttentionImpl = "gqa",
+        cudnn: CudnnUse = "off",
         verify_pages: bool = False,
         seed: int = 0,
         net: torch.nn.Module | None = None,
@@ -150,7 +152,7 @@ class Engine:
                 verify_pages=verify_pages,
             )
         )
-        self.runner = ModelRunner(self.net, self.cache.l1, cuda_graphs=cuda_graphs)
+        self.runner = ModelRunner(self.net, self.cache.l1, cuda_graphs=cuda_graphs, attention=attention, cudnn=cudnn)
         self.page_size = page_size
         self.cuda = torch.device(device).type == "cuda"
         self.stats = EngineStats()

@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,10 @@ from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError
 
 ATTENTION = "hicache_paged"
+AttentionImpl = Literal["gqa", "fold"]
+CudnnUse = Literal["off", "graphs", "on"]
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_ALL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *_NO_CUDNN]
 
 _TINY: dict[str, Any] = dict(
     vocab_size=512,
@@ -69,6 +73,7 @@ class PagedBatch:
     write_slots: torch.Tensor  # int64 [B, q]
     read_slots: torch.Tensor | None  # int64 [B, T]
     mask: torch.Tensor | None  # bool [B, 1, q, T]
+    fold: bool = False  # attend over the context with query groups folded (see ModelRunner)
 
 
 def visible(ctx: torch.Tensor, q: int, t: int) -> torch.Tensor:
@@ -110,8 +115,26 @@ def paged_attention(
     else:
         k = k_pool[batch.read_slots].transpose(1, 2).to(query.dtype)
         v = v_pool[batch.read_slots].transpose(1, 2).to(query.dtype)
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=batch.mask, scale=scaling, enable_gqa=True)
+        if batch.fold:
+            out = _folded(query, k, v, batch.mask, scaling)
+        else:
+            out = F.scaled_dot_product_attention(query, k, v, attn_mask=batch.mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _folded(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
+    """Grouped-query attention as plain attention: the ``g`` query heads that share a K/V
+    head become ``g`` times as many queries of that head (``[B, H, g*q, D]``), so no
+    backend needs GQA support and K/V are never expanded; the mask repeats per group."""
+    b, hq, q, d = query.shape
+    h = k.shape[1]
+    g = hq // h
+    qf = query.reshape(b, h, g * q, d)  # query head i uses K/V head i // g
+    mf = None if mask is None else mask.unsqueeze(2).expand(b, 1, g, q, mask.shape[-1]).reshape(b, 1, g * q, -1)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf, scale=scaling)
+    return out.view(b, h, g, q, d).reshape(b, hq, q, d)
 
 
 def _register() -> None:
@@ -165,10 +188,14 @@ class ModelRunner:
     not the GPU, set the time. Contexts are padded to ``graph_bucket`` tokens (masked).
     Large prefills run eagerly (their kernels are long enough to hide the launches).
 
-    On CUDA, attention runs without cuDNN's SDPA backend unless ``cudnn_attention``: cuDNN
-    keeps a host-side execution plan for every distinct shape it sees and never evicts one,
-    and an engine's shapes (prompt tails, batch sizes, context lengths) keep changing; in the
-    GPU soak that grew resident memory by about 4 MiB a second (docs/RELIABILITY.md).
+    Attention over cached context (``attention``): ``"gqa"`` calls SDPA with
+    ``enable_gqa``; ``"fold"`` folds each K/V head's query group into its query length and
+    calls plain SDPA (``_folded``), which lets the memory-efficient kernel serve masked calls
+    without expanding K/V. cuDNN's SDPA backend (``cudnn``) is ``"off"`` by default: it holds
+    native memory across the changing shapes an engine sends (in the GPU soak, ~850 MiB in
+    5 minutes; docs/RELIABILITY.md). ``"graphs"`` allows it only while capturing CUDA graphs
+    (bucketed shapes, at most ``max_graphs``), ``"on"`` everywhere. On the H200 only the
+    default has run a soak; the others are for measuring.
     """
 
     def __init__(
@@ -180,8 +207,13 @@ class ModelRunner:
         graph_tokens: int = 64,
         graph_bucket: int = 256,
         max_graphs: int = 64,
-        cudnn_attention: bool = False,
+        attention: AttentionImpl = "gqa",
+        cudnn: CudnnUse = "off",
     ) -> None:
+        if attention not in ("gqa", "fold"):
+            raise ConfigError(f"attention must be 'gqa' or 'fold', got {attention!r}")
+        if cudnn not in ("off", "graphs", "on"):
+            raise ConfigError(f"cudnn must be 'off', 'graphs' or 'on', got {cudnn!r}")
         self.net = net
         self.pool = pool
         self.page_size = pool.geometry.page_size
@@ -197,11 +229,10 @@ class ModelRunner:
         self._host: torch.Tensor | None = None  # pinned staging for per-forward metadata
         self._dev: torch.Tensor | None = None
         self._copied: Any = torch.cuda.Event() if pool.device.type == "cuda" else None  # type: ignore[no-untyped-call]
-        self._backends = (
-            None
-            if pool.device.type != "cuda" or cudnn_attention
-            else [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-        )
+        self.fold = attention == "fold"
+        cuda = pool.device.type == "cuda"
+        self._backends = _NO_CUDNN if cuda and cudnn != "on" else None  # eager forwards
+        self._capture_backends = _ALL_BACKENDS if cuda and cudnn == "graphs" else None
 
     @property
     def graphs_captured(self) -> int:
@@ -268,7 +299,7 @@ class ModelRunner:
         self.eager_forwards += 1
         ids_d, pos_d, write_d, read_d, ctx_d = self._upload(None, ids, pos, write, read, ctx_t)
         mask = None if q == 1 and min(ctx) == t else visible(ctx_d, q, t)
-        return _logits(self.net, ids_d, pos_d, PagedBatch(self.pool, write_d, read_d, mask))
+        return _logits(self.net, ids_d, pos_d, PagedBatch(self.pool, write_d, read_d, mask, self.fold))
 
     def _upload(self, dst: torch.Tensor | None, *parts: torch.Tensor) -> list[torch.Tensor]:
         """Copy ``parts`` (CPU int64) to the device in one transfer through a reused pinned
@@ -301,7 +332,7 @@ class ModelRunner:
         if graph is None and len(self._graphs) < self.max_graphs:
             if self._mempool is None:
                 self._mempool = torch.cuda.graph_pool_handle()
-            graph = self._graphs[key] = _Graph(self.net, self.pool, b, q, t, self._mempool)
+            graph = self._graphs[key] = _Graph(self, b, q, t)
         return graph
 
 
@@ -317,9 +348,10 @@ class _Graph:
     context lengths). Captured on first use with that call's real inputs: the warm-up writes
     the same K/V the replay writes, so no page is disturbed."""
 
-    def __init__(self, net: torch.nn.Module, pool: DevicePool, b: int, q: int, t: int, mempool: Any) -> None:
-        self.net, self.pool, self.q, self.t, self.mempool = net, pool, q, t, mempool
-        self.flat = torch.zeros(3 * b * q + b * t + b, dtype=torch.int64, device=pool.device)
+    def __init__(self, runner: ModelRunner, b: int, q: int, t: int) -> None:
+        self.net, self.pool, self.q, self.t, self.mempool = runner.net, runner.pool, q, t, runner._mempool
+        self.fold, self.backends = runner.fold, runner._capture_backends
+        self.flat = torch.zeros(3 * b * q + b * t + b, dtype=torch.int64, device=self.pool.device)
         sizes = [b * q, b * q, b * q, b * t, b]
         ids, pos, write, read, ctx = torch.split(self.flat, sizes)
         self.ids, self.pos, self.write = ids.view(b, q), pos.view(b, q), write.view(b, q)
@@ -328,21 +360,25 @@ class _Graph:
         self.out: torch.Tensor | None = None
 
     def _body(self) -> torch.Tensor:
-        batch = PagedBatch(self.pool, self.write, self.read, visible(self.ctx, self.q, self.t))
+        batch = PagedBatch(self.pool, self.write, self.read, visible(self.ctx, self.q, self.t), self.fold)
         return _logits(self.net, self.ids, self.pos, batch)
 
     def run(self) -> torch.Tensor:
         """Replay (capturing first if needed) on the inputs already in ``flat``."""
         if self.graph is None:
-            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._body()  # warm-up: lazy initialisation stays out of the graph
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.mempool):
-                self.out = self._body()
-            self.graph = graph
+            with contextlib.nullcontext() if self.backends is None else sdpa_kernel(self.backends):
+                self._capture()
+        assert self.graph is not None and self.out is not None
         self.graph.replay()
-        assert self.out is not None
         return self.out.clone()
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._body()  # warm-up: lazy initialisation stays out of the graph
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            self.out = self._body()
+        self.graph = graph

@@ -9,22 +9,24 @@ import torch
 
 from hicache.backends.pools import DevicePool
 from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
+from hicache.engine.model import AttentionImpl, _folded, visible
 from hicache.errors import ConfigError, MisuseError
 from hicache.spec.model import Tier
 
 pytest.importorskip("transformers")
 
 
+@pytest.mark.parametrize("attention", ["gqa", "fold"])
 @pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
-def test_paged_attention_matches_stock_transformers(preset: str) -> None:
+def test_paged_attention_matches_stock_transformers(preset: str, attention: AttentionImpl) -> None:
     """Full prefill, prefill over a cached prefix, and a decode step read from pages give
-    the logits of the stock SDPA model."""
+    the logits of the stock SDPA model, with either way of attending over the context."""
     net = build_model(preset)
     ref = build_model(preset)
     ref.config._attn_implementation = "sdpa"  # type: ignore[union-attr]
     pool = DevicePool.allocate(kv_geometry(net, 4), 32, "cpu")
     pool.buffer.normal_()  # garbage everywhere the request has not written
-    run = ModelRunner(net, pool)
+    run = ModelRunner(net, pool, attention=attention)
     toks = list(range(3, 40))
     pages = [5, 9, 2, 7, 11, 13, 1, 3, 4, 6]
     with torch.inference_mode():
@@ -226,3 +228,27 @@ def test_bad_requests_are_refused_before_anything_changes() -> None:
         e.submit([1, 2], 0)
     assert e.pending == 0 and e.stats.submitted == 0
     e.close()
+
+
+def test_folded_attention_equals_grouped_query_attention() -> None:
+    """Folding the query groups is the same computation as SDPA's enable_gqa, masks with
+    padding and per-sequence context lengths included."""
+    g = torch.Generator().manual_seed(0)
+    b, hq, h, q, t, d = 3, 8, 2, 5, 37, 16
+    query = torch.randn(b, hq, q, d, generator=g)
+    k, v = torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g)
+    ctx = torch.tensor([37, 20, 9])
+    mask = visible(ctx, q, t)
+    want = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(_folded(query, k, v, mask, None), want, rtol=1e-5, atol=1e-5)
+    want = torch.nn.functional.scaled_dot_product_attention(query[:, :, :1], k, v, enable_gqa=True, scale=0.3)
+    torch.testing.assert_close(_folded(query[:, :, :1], k, v, None, 0.3), want, rtol=1e-5, atol=1e-5)
+
+
+def test_model_runner_rejects_unknown_attention_options() -> None:
+    net = build_model("tiny")
+    pool = DevicePool.allocate(kv_geometry(net, 4), 8, "cpu")
+    with pytest.raises(ConfigError, match="'flash'"):
+        ModelRunner(net, pool, attention="flash")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'sometimes'"):
+        ModelRunner(net, pool, cudnn="sometimes")  # type: ignore[arg-type]

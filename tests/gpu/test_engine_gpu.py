@@ -12,7 +12,7 @@ import torch
 
 from hicache.backends.pools import DevicePool
 from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
-from hicache.engine.model import PRESETS
+from hicache.engine.model import PRESETS, CudnnUse
 from hicache.spec.model import Tier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -82,10 +82,11 @@ def test_a_padded_graph_batch_serves_concurrent_requests() -> None:
     e.close()
 
 
-@pytest.mark.parametrize("cudnn", [False, True])
-def test_attention_runs_without_cudnn_sdpa_unless_asked(cudnn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """cuDNN's SDPA caches a host-side plan per shape without bound (the GPU soak's RSS
-    growth): the runner turns it off around its forwards, and restores the setting."""
+@pytest.mark.parametrize("cudnn", ["off", "graphs", "on"])
+def test_attention_runs_without_cudnn_sdpa_unless_asked(cudnn: CudnnUse, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's SDPA holds native memory per shape (the GPU soak's RSS growth): off by
+    default around every forward, allowed in graph captures only with "graphs", everywhere
+    with "on"; the process setting is restored."""
     enabled = cast(Callable[[], bool], torch.backends.cuda.cudnn_sdp_enabled)
     seen: list[bool] = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -95,12 +96,31 @@ def test_attention_runs_without_cudnn_sdpa_unless_asked(cudnn: bool, monkeypatch
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    layers = int(PRESETS["tiny"]["num_hidden_layers"])
     net = build_model("tiny", device="cuda")
     pool = DevicePool.allocate(kv_geometry(net, 16), 16, "cuda")
-    run = ModelRunner(net, pool, cuda_graphs=False, cudnn_attention=cudnn)
+    run = ModelRunner(net, pool, cudnn=cudnn, graph_tokens=1)
     before = enabled()
-    run.forward([(list(range(40)), [0, 1, 2], 0)])  # a fresh prefill
-    run.forward([([7], [0, 1, 2], 40)])  # a decode step over the pages
-    assert len(seen) == 2 * int(PRESETS["tiny"]["num_hidden_layers"])
-    assert all(s == (cudnn and before) for s in seen)
-    assert enabled() == before
+    run.forward([(list(range(40)), [0, 1, 2], 0)])  # a fresh prefill: eager
+    run.forward([([7, 8], [0, 1, 2], 40)])  # two tokens over the pages: eager (> graph_tokens)
+    assert seen == [cudnn == "on" and before] * 2 * layers
+    run.forward([([9], [0, 1, 2], 42)])  # one token: captured (warm-up and capture)
+    in_capture = {"off": False, "graphs": True, "on": before}[cudnn]
+    assert seen[2 * layers :] == [in_capture] * 2 * layers
+    assert run.graphs_captured == 1 and enabled() == before
+
+
+def test_folded_attention_serves_the_engine_like_gqa() -> None:
+    """float32 on CUDA: over cached prefixes (the second request of each prompt) and in
+    decode, the folded path gives the logits of the enable_gqa path."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (40, 300, 700)]
+    logits: dict[str, list[torch.Tensor]] = {}
+    for attention in ("gqa", "fold"):
+        e = Engine("tiny", device="cuda", page_size=16, num_pages=256, attention=attention)
+        outs = [e.generate([*p, i], max_new_tokens=4) for p in prompts for i in range(2)]
+        assert all(o.first_logits is not None for o in outs)
+        logits[attention] = [cast(torch.Tensor, o.first_logits) for o in outs]
+        e.close()
+    for a, b in zip(logits["fold"], logits["gqa"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
