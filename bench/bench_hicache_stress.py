@@ -18,6 +18,7 @@ Every restored prefix's pages are fingerprinted (xxh3) against the pages as comp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -85,6 +86,7 @@ def rotate(
     engine.cache.drain()
     m = engine.cache.metrics
     cache_s0, submitted0 = engine.stats.cache_s, engine.stats.submitted
+    steps0 = dataclasses.asdict(engine.stats)
     base = {"restore_s": m.restore_s, "overlapped": m.restore_overlapped_s}
     ttft, sources, verify_s = [], [], 0.0
     start_decode = engine.stats.decode_tokens
@@ -104,6 +106,12 @@ def rotate(
         ttft.append(found.ttft_s)
         sources.append(found.restored_from)
     wall = time.perf_counter() - t0 - verify_s
+    # where the wall time went, for comparing scheduling modes (overlap vs blocking)
+    steps = {
+        k: round(v - steps0[k], 6) if isinstance(v, float) else v - steps0[k]
+        for k, v in dataclasses.asdict(engine.stats).items()
+        if k in ("prefills", "prefill_s", "decode_batches", "decode_s", "decode_s_while_restoring", "idle_polls")
+    }
     decode_tokens = engine.stats.decode_tokens - start_decode
     engine.cache.drain()
     engine.cache.check_integrity()
@@ -126,6 +134,8 @@ def rotate(
         / max(1, engine.stats.submitted - submitted0)
         * 1e3,
         "gib_per_s": {d: s.gib_per_s for d, s in m.directions.items() if s.count},
+        "ttft_ms": [round(t * 1e3, 3) for t in ttft],
+        "engine_steps": steps,
         **check.to_dict(),
     }
 
@@ -228,6 +238,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"{r['fallbacks']:>6} {ov:>7} {r['decode_tokens_per_s']:>9.1f} {cb:>9} "
             f"{r['restores_checked'] - r['page_mismatches']:>4}/{r['restores_checked']:<4}"
         )
+    for r in rows:
+        if r["variant"] != "rotation":  # where each mode's time goes, per timed request
+            st, n = r["engine_steps"], r["requests"]
+            print(
+                f"  {r['variant']}: per request {st['prefills'] / n:.2f} prefills "
+                f"({st['prefill_s'] / n * 1e3:.1f} ms), "
+                f"{st['decode_batches'] / n:.2f} decode batches ({st['decode_s'] / n * 1e3:.1f} ms), "
+                f"{st['idle_polls'] / n:.1f} idle polls; wall {r['wall_s'] / n * 1e3:.1f} ms; "
+                f"TTFT mean {r['ttft_ms_mean']:.1f} / max {max(r['ttft_ms']):.1f} ms"
+            )
     path = write_results(args.out, f"bench_hicache_stress-{args.model}", args.device, meta, rows, args.tag)
     plot(rows, path, f"{args.model} on {device_name(args.device)}")
     print(f"wrote {path}.json and .png")
