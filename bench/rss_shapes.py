@@ -1,12 +1,15 @@
-"""Host memory kept per distinct tensor shape: which CUDA op caches grow with shape variety.
+"""Attention backends on the GPU: host memory kept per distinct shape, and speed.
 
-The GPU soak's resident memory grows in glibc's heap (live ``malloc`` blocks, not Python
-objects nor CPU tensors) and faster when decode runs eagerly, which points at per-shape
-caches in the libraries the engine calls. For each op the engine's forward uses (attention
-through ``scaled_dot_product_attention`` with each backend forced, and the default choice;
-a bf16 matmul), this runs ``--shapes`` distinct shapes, then the same shapes again, and
-prints the resident memory each pass added: a cache grows in the first pass only, a leak
-in both.
+The GPU soak's resident memory grew in glibc's heap (live ``malloc`` blocks, not Python
+objects nor CPU tensors) until cuDNN's SDPA backend was turned off (docs/RELIABILITY.md).
+Part 1 runs ``--shapes`` distinct shapes per case, then the same shapes again, and prints
+the resident memory each pass added (a cache grows in the first pass only, a leak in
+both). Cases: synthetic contiguous inputs, and the engine's own call (K/V gathered from a
+page pool through slot indices and transposed, a ``visible`` mask), per backend.
+
+Part 2 times the call a restored request's tail makes per layer (``--tail`` new tokens
+over ``--context`` cached ones) for each way the engine can run it (``--attention`` x
+``--attention-cudnn``), as ratios to the default, measured side by side in one run.
 
     python bench/rss_shapes.py --shapes 300
 """
@@ -15,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from hicache.engine.model import _folded, visible
 
 
 def rss_mib() -> float:
@@ -31,74 +37,87 @@ def rss_mib() -> float:
     return 0.0
 
 
+@contextlib.contextmanager
+def backends(allowed: list[SDPBackend] | None) -> Iterator[None]:
+    if allowed is None:
+        yield
+    else:
+        with sdpa_kernel(allowed):
+            yield
+
+
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", type=int, default=300)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=2560)
+    ap.add_argument("--tail", type=int, default=22, help="new tokens of the timed call")
+    ap.add_argument("--context", type=int, default=3584, help="context tokens of the timed call")
+    ap.add_argument("--iterations", type=int, default=50)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
     dev, dt = torch.device("cuda"), torch.bfloat16
     hq, hk, d = args.heads, args.kv_heads, args.head_dim
+    slots = 8192 + 64 * args.shapes
+    pool = torch.randn(2, slots, hk, d, device=dev, dtype=dt)  # one layer's K and V pages
 
-    def masked(i: int) -> None:  # a batch with cached context: q new tokens over T keys
+    def engine_call(b: int, q: int, t: int, fold: bool) -> Callable[[], torch.Tensor]:
+        """The engine's attention over cached context (paged_attention's masked branch)."""
+        query = torch.randn(b, hq, q, d, device=dev, dtype=dt)
+        read = torch.randint(0, slots, (b, t), device=dev)
+        ctx = torch.full((b,), t, device=dev, dtype=torch.int64) - torch.arange(b, device=dev)
+        mask = visible(ctx, q, t)
+
+        def call() -> torch.Tensor:
+            k = pool[0][read].transpose(1, 2)
+            v = pool[1][read].transpose(1, 2)
+            if fold:
+                return _folded(query, k, v, mask, None)
+            return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True)
+
+        return call
+
+    def synthetic(i: int) -> None:
         b, q, t = 1 + i % 4, 1 + i % 24, 64 + 7 * i
         query = torch.randn(b, hq, q, d, device=dev, dtype=dt)
         k = torch.randn(b, hk, t, d, device=dev, dtype=dt)
         mask = torch.ones(b, 1, q, t, device=dev, dtype=torch.bool).tril(t - q)
         F.scaled_dot_product_attention(query, k, k, attn_mask=mask, enable_gqa=True)
 
-    def causal(i: int) -> None:  # a fresh prefill
-        q = 16 + 7 * i
-        query = torch.randn(1, hq, q, d, device=dev, dtype=dt)
-        k = torch.randn(1, hk, q, d, device=dev, dtype=dt)
-        F.scaled_dot_product_attention(query, k, k, is_causal=True, enable_gqa=True)
+    def engine_like(fold: bool) -> Callable[[int], None]:
+        def op(i: int) -> None:
+            engine_call(1 + i % 4, 1 + i % 24, 64 + 7 * i, fold)()
 
-    w = torch.randn(args.hidden, 4 * args.hidden, device=dev, dtype=dt)
+        return op
 
-    def matmul(i: int) -> None:
-        torch.randn(1 + 3 * i, args.hidden, device=dev, dtype=dt) @ w
-
-    probe_q = torch.randn(2, hq, 5, d, device=dev, dtype=dt)
-    probe_k = torch.randn(2, hq, 300, d, device=dev, dtype=dt)
-    probe_m = torch.ones(2, 1, 5, 300, device=dev, dtype=torch.bool)
-    chosen = {
-        "masked": torch._fused_sdp_choice(probe_q, probe_k, probe_k, probe_m),
-        "causal": torch._fused_sdp_choice(probe_q, probe_k, probe_k, None, 0.0, True),
-    }
     names = {b.value: n for n, b in SDPBackend.__members__.items()}
     cudnn = torch.backends.cudnn.version()  # type: ignore[no-untyped-call]
     print(f"torch {torch.__version__}, cuDNN {cudnn}, {torch.cuda.get_device_name()}")
-    print("default SDPA backend: " + ", ".join(f"{k} -> {names.get(v, v)}" for k, v in chosen.items()))
+    q_probe = torch.randn(1, hq, args.tail, d, device=dev, dtype=dt)
+    k_probe = torch.randn(1, hk, args.context, d, device=dev, dtype=dt)
+    m_probe = torch.ones(1, 1, args.tail, args.context, device=dev, dtype=torch.bool)
+    choice = torch._fused_sdp_choice(q_probe, k_probe, k_probe, m_probe, enable_gqa=True)
+    print(f"default SDPA choice for the engine's masked call: {names.get(choice, choice)}")
 
-    def forced(backend: SDPBackend | None) -> Callable[[], contextlib.AbstractContextManager[None]]:
-        @contextlib.contextmanager
-        def ctx() -> Iterator[None]:
-            if backend is None:
-                yield
-            else:
-                with sdpa_kernel([backend]):
-                    yield
-
-        return ctx
-
-    cases: list[tuple[str, Callable[[int], None], Callable[[], contextlib.AbstractContextManager[None]]]] = [
-        ("matmul bf16", matmul, forced(None)),
-        ("sdpa causal default", causal, forced(None)),
-        ("sdpa masked default", masked, forced(None)),
+    memory_cases: list[tuple[str, Callable[[int], None], list[SDPBackend] | None]] = [
+        ("synthetic, default backends", synthetic, None),
+        ("synthetic, cuDNN only", synthetic, [SDPBackend.CUDNN_ATTENTION]),
+        ("engine gqa, default backends", engine_like(False), None),
+        ("engine gqa, cuDNN only", engine_like(False), [SDPBackend.CUDNN_ATTENTION]),
+        ("engine gqa, no cuDNN", engine_like(False), NO_CUDNN),
+        ("engine fold, no cuDNN", engine_like(True), NO_CUDNN),
     ]
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-        cases.append((f"sdpa causal {backend.name}", causal, forced(backend)))
-        cases.append((f"sdpa masked {backend.name}", masked, forced(backend)))
-    print(f"{'case':<36} {'1st pass MiB':>13} {'2nd pass MiB':>13}  ({args.shapes} shapes)")
-    for name, op, ctx in cases:
+    print(f"\n{'memory: case':<36} {'1st pass MiB':>13} {'2nd pass MiB':>13}  ({args.shapes} shapes)")
+    for name, op, allowed in memory_cases:
         row = []
         try:
-            with ctx():
+            with backends(allowed):
                 op(10_000)  # warm the op itself
                 torch.cuda.synchronize()
                 for _ in range(2):
@@ -111,6 +130,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<36} not available: {str(e).splitlines()[0][:60]}")
             continue
         print(f"{name:<36} {row[0]:>13.1f} {row[1]:>13.1f}")
+
+    speed_cases: list[tuple[str, bool, list[SDPBackend] | None]] = [
+        ("gqa, cuDNN off (default)", False, NO_CUDNN),
+        ("gqa, cuDNN on", False, None),
+        ("fold, cuDNN off", True, NO_CUDNN),
+        ("fold, cuDNN on", True, None),
+    ]
+    label = f"speed: one layer, {args.tail} over {args.context}"
+    print(f"\n{label:<36} {'us/call':>9} {'speed-up':>9}")
+    base = None
+    for name, fold, allowed in speed_cases:
+        call = engine_call(1, args.tail, args.context, fold)
+        with backends(allowed):
+            for _ in range(5):
+                call()
+            times = []
+            for _ in range(args.iterations):
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                start.record()
+                call()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+        us = statistics.median(times)
+        base = base or us
+        print(f"{name:<36} {us:>9.1f} {base / us:>8.2f}x")
     return 0
 
 
