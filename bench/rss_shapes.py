@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hicache.engine.model import _folded, visible
+from hicache.engine.model import _folded, fold_mask, visible
 
 
 def rss_mib() -> float:
@@ -73,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         read = torch.randint(0, slots, (b, t), device=dev)
         ctx = torch.full((b,), t, device=dev, dtype=torch.int64) - torch.arange(b, device=dev)
         mask = visible(ctx, q, t)
+        fmask = fold_mask(mask, hq // hk)  # the engine folds it once per forward, not per layer
 
         def call() -> torch.Tensor:
             k = pool[0][read].transpose(1, 2)
             v = pool[1][read].transpose(1, 2)
             if fold:
-                return _folded(query, k, v, mask, None)
+                return _folded(query, k, v, fmask, None)
             return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True)
 
         return call

@@ -74,6 +74,7 @@ class PagedBatch:
     read_slots: torch.Tensor | None  # int64 [B, T]
     mask: torch.Tensor | None  # bool [B, 1, q, T]
     fold: bool = False  # attend over the context with query groups folded (see ModelRunner)
+    folded_mask: torch.Tensor | None = None  # ``mask`` repeated per query group, made once per forward
 
 
 def visible(ctx: torch.Tensor, q: int, t: int) -> torch.Tensor:
@@ -116,24 +117,32 @@ def paged_attention(
         k = k_pool[batch.read_slots].transpose(1, 2).to(query.dtype)
         v = v_pool[batch.read_slots].transpose(1, 2).to(query.dtype)
         if batch.fold:
-            out = _folded(query, k, v, batch.mask, scaling)
+            if batch.mask is not None and batch.folded_mask is None:  # the first layer
+                batch.folded_mask = fold_mask(batch.mask, query.shape[1] // k.shape[1])
+            out = _folded(query, k, v, batch.folded_mask, scaling)
         else:
             out = F.scaled_dot_product_attention(query, k, v, attn_mask=batch.mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 
+def fold_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
+    """``[B, 1, q, T]`` -> ``[B, 1, g*q, T]``: the mask of each of ``g`` folded query groups."""
+    b, _, q, t = mask.shape
+    return mask.unsqueeze(2).expand(b, 1, g, q, t).reshape(b, 1, g * q, t)
+
+
 def _folded(
-    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, folded_mask: torch.Tensor | None, scaling: float | None
 ) -> torch.Tensor:
     """Grouped-query attention as plain attention: the ``g`` query heads that share a K/V
     head become ``g`` times as many queries of that head (``[B, H, g*q, D]``), so no
-    backend needs GQA support and K/V are never expanded; the mask repeats per group."""
+    backend needs GQA support and K/V are never expanded. ``folded_mask`` comes from
+    :func:`fold_mask` (or None: every key visible)."""
     b, hq, q, d = query.shape
     h = k.shape[1]
     g = hq // h
     qf = query.reshape(b, h, g * q, d)  # query head i uses K/V head i // g
-    mf = None if mask is None else mask.unsqueeze(2).expand(b, 1, g, q, mask.shape[-1]).reshape(b, 1, g * q, -1)
-    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf, scale=scaling)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=folded_mask, scale=scaling)
     return out.view(b, h, g, q, d).reshape(b, hq, q, d)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from hicache.backends.pools import DevicePool
 from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
-from hicache.engine.model import AttentionImpl, _folded, visible
+from hicache.engine.model import AttentionImpl, _folded, fold_mask, visible
 from hicache.errors import ConfigError, MisuseError
 from hicache.spec.model import Tier
 
@@ -240,7 +240,7 @@ def test_folded_attention_equals_grouped_query_attention() -> None:
     ctx = torch.tensor([37, 20, 9])
     mask = visible(ctx, q, t)
     want = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(_folded(query, k, v, mask, None), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_folded(query, k, v, fold_mask(mask, hq // h), None), want, rtol=1e-5, atol=1e-5)
     want = torch.nn.functional.scaled_dot_product_attention(query[:, :, :1], k, v, enable_gqa=True, scale=0.3)
     torch.testing.assert_close(_folded(query[:, :, :1], k, v, None, 0.3), want, rtol=1e-5, atol=1e-5)
 
