@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from hicache.engine import build_model
 from hicache.engine.cli import add_engine_args, dtype_of, engine_from_args
+from hicache.engine.model import resolve_attention
 
 
 def burst(device: str, ms: float = 100.0) -> None:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         "iterations": args.iterations,
         "warmup": args.warmup,
         "cuda_graphs": not args.disable_cuda_graph,
-        "attention": args.attention,
+        "attention": resolve_attention(args.attention, args.device),
         "attention_cudnn": args.attention_cudnn,
     }
     stem = write_results(args.out, f"bench_hicache-{args.model}", args.device, meta, rows, args.tag)

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from hicache.engine import Engine, build_model
 from hicache.engine.cli import add_engine_args, dtype_of, engine_from_args
+from hicache.engine.model import resolve_attention
 
 Config = tuple[str, str, str]  # (tier, storage, policy)
 
@@ -206,10 +207,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 "decoders",
                 "decode_tokens",
                 "repeats",
-                "attention",
                 "attention_cudnn",
             )
         },
+        "attention": resolve_attention(args.attention, args.device),
     }
     best: dict[str, float] = {}
     for r in rows:

@@ -2,7 +2,7 @@
 # GPU-side runs, in phases, for device calls. Usage on the GPU machine, from the repo root:
 #   bash bench/gpu_e2e.sh tests latency8b     (phases run in the order given)
 # Phases: tests, transfer (race demo, transfer and storage benchmarks), latency8b, latency8b-quick,
-# attnprobe (attention backends: memory per shape, speed of a tail call), attention8b (5 attention variants, ~6 min), latency4b, stress8b, stress4b (STRESS_REPEATS, default 3: ~7.5 min each), soak (SOAK_MINUTES, default 5),
+# attnprobe (attention backends: memory per shape, speed of a tail call and a decode call), attention8b (ATTN_VARIANTS, default 6 attention variants, ~1.1 min each), latency4b, stress8b, stress4b (STRESS_REPEATS, default 3: ~7.5 min each), soak (SOAK_MINUTES, default 5),
 # soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
 # Results go to $OUT (default bench/results).
 set -uo pipefail
@@ -33,7 +33,7 @@ for phase in "$@"; do
         --out "$OUT" --tag h200-quick 2>&1 | grep -v "it/s\]" | tail -12) ;;
     attnprobe) python3 bench/rss_shapes.py --shapes 300 2>&1 | grep -v -i "warn\|^  F\." ;;  # ~1 min
     attention8b)  # attention variants side by side (README: what the cuDNN fix costs), ~1.1 min each
-      for v in gqa:off gqa:on gqa:graphs fold:off fold:graphs; do
+      for v in ${ATTN_VARIANTS:-paged:off gqa:off gqa:on gqa:graphs fold:off fold:graphs}; do
         echo "-- attention ${v%%:*}, cuDNN ${v#*:}"
         (cd bench && python3 bench_hicache.py --model qwen3-8b --prefix-tokens 350 3500 --tiers none l2 \
           --attention "${v%%:*}" --attention-cudnn "${v#*:}" --out "$OUT" --tag "h200-attn-${v%%:*}-${v#*:}" 2>&1 \

@@ -8,8 +8,9 @@ both). Cases: synthetic contiguous inputs, and the engine's own call (K/V gather
 page pool through slot indices and transposed, a ``visible`` mask), per backend.
 
 Part 2 times the call a restored request's tail makes per layer (``--tail`` new tokens
-over ``--context`` cached ones) for each way the engine can run it (``--attention`` x
-``--attention-cudnn``), as ratios to the default, measured side by side in one run.
+over ``--context`` cached ones), and a decode batch's (``--decode-batch`` sequences of one
+token over ``--decode-context``), for each way the engine can run it (``--attention`` x
+``--attention-cudnn``), as ratios to the first row, measured side by side in one run.
 
     python bench/rss_shapes.py --shapes 300
 """
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hicache.engine.attention import paged_attention_triton
 from hicache.engine.model import _folded, fold_mask, visible
 
 
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--tail", type=int, default=22, help="new tokens of the timed call")
     ap.add_argument("--context", type=int, default=3584, help="context tokens of the timed call")
+    ap.add_argument("--decode-batch", type=int, default=32, help="sequences of the timed decode call")
+    ap.add_argument("--decode-context", type=int, default=2048, help="context tokens of the timed decode call")
     ap.add_argument("--iterations", type=int, default=50)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -67,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     slots = 8192 + 64 * args.shapes
     pool = torch.randn(2, slots, hk, d, device=dev, dtype=dt)  # one layer's K and V pages
 
-    def engine_call(b: int, q: int, t: int, fold: bool) -> Callable[[], torch.Tensor]:
-        """The engine's attention over cached context (paged_attention's masked branch)."""
+    def engine_call(b: int, q: int, t: int, impl: str) -> Callable[[], torch.Tensor]:
+        """The engine's attention over cached context: SDPA's masked call (``gqa``,
+        ``fold``) or the paged Triton kernel (``paged``)."""
         query = torch.randn(b, hq, q, d, device=dev, dtype=dt)
         read = torch.randint(0, slots, (b, t), device=dev)
         ctx = torch.full((b,), t, device=dev, dtype=torch.int64) - torch.arange(b, device=dev)
@@ -76,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         fmask = fold_mask(mask, hq // hk)  # the engine folds it once per forward, not per layer
 
         def call() -> torch.Tensor:
+            if impl == "paged":
+                return paged_attention_triton(query, pool[0], pool[1], read, ctx)
             k = pool[0][read].transpose(1, 2)
             v = pool[1][read].transpose(1, 2)
-            if fold:
+            if impl == "fold":
                 return _folded(query, k, v, fmask, None)
             return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True)
 
@@ -91,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         mask = torch.ones(b, 1, q, t, device=dev, dtype=torch.bool).tril(t - q)
         F.scaled_dot_product_attention(query, k, k, attn_mask=mask, enable_gqa=True)
 
-    def engine_like(fold: bool) -> Callable[[int], None]:
+    def engine_like(impl: str) -> Callable[[int], None]:
         def op(i: int) -> None:
-            engine_call(1 + i % 4, 1 + i % 24, 64 + 7 * i, fold)()
+            engine_call(1 + i % 4, 1 + i % 24, 64 + 7 * i, impl)()
 
         return op
 
@@ -109,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     memory_cases: list[tuple[str, Callable[[int], None], list[SDPBackend] | None]] = [
         ("synthetic, default backends", synthetic, None),
         ("synthetic, cuDNN only", synthetic, [SDPBackend.CUDNN_ATTENTION]),
-        ("engine gqa, default backends", engine_like(False), None),
-        ("engine gqa, cuDNN only", engine_like(False), [SDPBackend.CUDNN_ATTENTION]),
-        ("engine gqa, no cuDNN", engine_like(False), NO_CUDNN),
-        ("engine fold, no cuDNN", engine_like(True), NO_CUDNN),
+        ("engine gqa, default backends", engine_like("gqa"), None),
+        ("engine gqa, cuDNN only", engine_like("gqa"), [SDPBackend.CUDNN_ATTENTION]),
+        ("engine gqa, no cuDNN", engine_like("gqa"), NO_CUDNN),
+        ("engine fold, no cuDNN", engine_like("fold"), NO_CUDNN),
+        ("engine paged (Triton)", engine_like("paged"), NO_CUDNN),
     ]
     print(f"\n{'memory: case':<36} {'1st pass MiB':>13} {'2nd pass MiB':>13}  ({args.shapes} shapes)")
     for name, op, allowed in memory_cases:
@@ -132,32 +140,34 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{name:<36} {row[0]:>13.1f} {row[1]:>13.1f}")
 
-    speed_cases: list[tuple[str, bool, list[SDPBackend] | None]] = [
-        ("gqa, cuDNN off (default)", False, NO_CUDNN),
-        ("gqa, cuDNN on", False, None),
-        ("fold, cuDNN off", True, NO_CUDNN),
-        ("fold, cuDNN on", True, None),
+    speed_cases: list[tuple[str, str, list[SDPBackend] | None]] = [
+        ("gqa, cuDNN off", "gqa", NO_CUDNN),
+        ("gqa, cuDNN on", "gqa", None),
+        ("fold, cuDNN off", "fold", NO_CUDNN),
+        ("fold, cuDNN on", "fold", None),
+        ("paged (Triton, the default)", "paged", NO_CUDNN),
     ]
-    label = f"speed: one layer, {args.tail} over {args.context}"
-    print(f"\n{label:<36} {'us/call':>9} {'speed-up':>9}")
-    base = None
-    for name, fold, allowed in speed_cases:
-        call = engine_call(1, args.tail, args.context, fold)
-        with backends(allowed):
-            for _ in range(5):
-                call()
-            times = []
-            for _ in range(args.iterations):
-                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                start.record()
-                call()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3)
-        us = statistics.median(times)
-        base = base or us
-        print(f"{name:<36} {us:>9.1f} {base / us:>8.2f}x")
+    for b, q, t in ((1, args.tail, args.context), (args.decode_batch, 1, args.decode_context)):
+        label = f"speed: one layer, {b} x {q} over {t}"
+        print(f"\n{label:<36} {'us/call':>9} {'speed-up':>9}")
+        base = None
+        for name, impl, allowed in speed_cases:
+            call = engine_call(b, q, t, impl)
+            with backends(allowed):
+                for _ in range(5):
+                    call()
+                times = []
+                for _ in range(args.iterations):
+                    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                    start.record()
+                    call()
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) * 1e3)
+            us = statistics.median(times)
+            base = base or us
+            print(f"{name:<36} {us:>9.1f} {base / us:>8.2f}x")
     return 0
 
 

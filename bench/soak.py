@@ -36,6 +36,7 @@ from tqdm import tqdm
 from hicache.backends.faults import FaultKind
 from hicache.engine import Engine
 from hicache.engine.cli import add_engine_args, dtype_of, engine_from_args
+from hicache.engine.model import resolve_attention
 
 FAULTS: list[tuple[FaultKind, str]] = [
     ("eio", "read"),
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "verify_pages": not args.no_verify_pages,
         "transfer_backend": args.hicache_transfer_backend,
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
-        "attention": args.attention,
+        "attention": resolve_attention(args.attention, args.device),
         "attention_cudnn": args.attention_cudnn,
     }
     path = write_results(args.out, f"soak-{args.model}", args.device, meta, [row], args.tag)

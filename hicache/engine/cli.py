@@ -32,9 +32,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-cuda-graph", action="store_true", help="run small batches eagerly too")
     g.add_argument(
         "--attention",
-        choices=["gqa", "fold"],
-        default="gqa",
-        help="attention over cached context: SDPA with enable_gqa, or query groups folded into plain SDPA",
+        choices=["auto", "paged", "gqa", "fold"],
+        default="auto",
+        help="attention over cached context: paged (Triton split-K kernel reading the pool, for <= 64 new "
+        "tokens), gqa (SDPA with enable_gqa), fold (query groups folded into plain SDPA); auto: paged on CUDA",
     )
     g.add_argument(
         "--attention-cudnn",

@@ -119,7 +119,7 @@ class Engine:
         max_batch: int = 32,
         prefills_before_decode: int = 1,
         cuda_graphs: bool = True,
-        attention: AttentionImpl = "gqa",
+        attention: AttentionImpl = "auto",
         cudnn: CudnnUse = "off",
         verify_pages: bool = False,
         seed: int = 0,

@@ -25,10 +25,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hicache.backends.pools import DevicePool
 from hicache.core.geometry import KVGeometry
+from hicache.engine import attention as paged
 from hicache.errors import ConfigError
 
 ATTENTION = "hicache_paged"
-AttentionImpl = Literal["gqa", "fold"]
+AttentionImpl = Literal["auto", "paged", "gqa", "fold"]
 CudnnUse = Literal["off", "graphs", "on"]
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _ALL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *_NO_CUDNN]
@@ -67,13 +68,16 @@ class PagedBatch:
     each. ``read_slots`` is None when no sequence has cached context (the keys are the new
     tokens themselves, causal); otherwise row ``b`` lists the slots of sequence ``b``'s whole
     context in token order, padded at the end with one of its own slots, and ``mask``
-    (``[B, 1, q, T]``, or None for unpadded one-token decode) says which keys each query sees."""
+    (``[B, 1, q, T]``, or None for unpadded one-token decode) says which keys each query sees.
+    With ``attention="paged"`` the Triton kernel reads the context straight from the pool and
+    masks by ``ctx`` (each sequence's context length, its new tokens included) instead."""
 
     pool: DevicePool
     write_slots: torch.Tensor  # int64 [B, q]
     read_slots: torch.Tensor | None  # int64 [B, T]
     mask: torch.Tensor | None  # bool [B, 1, q, T]
-    fold: bool = False  # attend over the context with query groups folded (see ModelRunner)
+    attention: AttentionImpl = "gqa"  # how to attend over the context (see ModelRunner); never "auto"
+    ctx: torch.Tensor | None = None  # int64 [B], for "paged"
     folded_mask: torch.Tensor | None = None  # ``mask`` repeated per query group, made once per forward
 
 
@@ -113,10 +117,12 @@ def paged_attention(
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=True
         )
+    elif batch.attention == "paged" and batch.ctx is not None and query.shape[2] <= paged.MAX_QUERY_TOKENS:
+        return paged.paged_attention_triton(query, k_pool, v_pool, batch.read_slots, batch.ctx, scaling), None
     else:
         k = k_pool[batch.read_slots].transpose(1, 2).to(query.dtype)
         v = v_pool[batch.read_slots].transpose(1, 2).to(query.dtype)
-        if batch.fold:
+        if batch.attention == "fold":
             if batch.mask is not None and batch.folded_mask is None:  # the first layer
                 batch.folded_mask = fold_mask(batch.mask, query.shape[1] // k.shape[1])
             out = _folded(query, k, v, batch.folded_mask, scaling)
@@ -187,6 +193,14 @@ def kv_geometry(net: torch.nn.Module, page_size: int) -> KVGeometry:
     return KVGeometry(int(cfg.num_hidden_layers), int(cfg.num_key_value_heads), int(head_dim), page_size, dtype)
 
 
+def resolve_attention(attention: AttentionImpl, device: str | torch.device) -> AttentionImpl:
+    """What ``"auto"`` means on ``device``: the paged Triton kernel on CUDA (when Triton is
+    installed), SDPA with ``enable_gqa`` elsewhere; other choices stand."""
+    if attention != "auto":
+        return attention
+    return "paged" if torch.device(device).type == "cuda" and paged.HAVE_TRITON else "gqa"
+
+
 class ModelRunner:
     """Forward passes of ``net`` whose KV lives in ``pool``; returns last-token logits.
 
@@ -197,14 +211,17 @@ class ModelRunner:
     not the GPU, set the time. Contexts are padded to ``graph_bucket`` tokens (masked).
     Large prefills run eagerly (their kernels are long enough to hide the launches).
 
-    Attention over cached context (``attention``): ``"gqa"`` calls SDPA with
-    ``enable_gqa``; ``"fold"`` folds each K/V head's query group into its query length and
-    calls plain SDPA (``_folded``), which lets the memory-efficient kernel serve masked calls
-    without expanding K/V. cuDNN's SDPA backend (``cudnn``) is ``"off"`` by default: it holds
-    native memory across the changing shapes an engine sends (in the GPU soak, ~850 MiB in
-    5 minutes; docs/RELIABILITY.md). ``"graphs"`` allows it only while capturing CUDA graphs
-    (bucketed shapes, at most ``max_graphs``), ``"on"`` everywhere. On the H200 only the
-    default has run a soak; the others are for measuring.
+    Attention over cached context (``attention``): ``"paged"`` runs
+    :func:`hicache.engine.attention.paged_attention_triton` for calls of at most
+    ``MAX_QUERY_TOKENS`` new tokens (decode steps, a restored prompt's tail): split-K over the
+    context, K/V read straight from the pool, no mask tensor; longer calls use SDPA like
+    ``"gqa"``. ``"gqa"`` gathers K/V and calls SDPA with ``enable_gqa``; ``"fold"`` folds
+    each K/V head's query group into its query length and calls plain SDPA (``_folded``).
+    ``"auto"`` (the default) is ``"paged"`` on CUDA with Triton installed, else ``"gqa"``.
+    cuDNN's SDPA backend (``cudnn``) is ``"off"`` by default: it holds native memory across
+    the changing shapes an engine sends (in the GPU soak, ~850 MiB in 5 minutes;
+    docs/RELIABILITY.md). ``"graphs"`` allows it only while capturing CUDA graphs
+    (bucketed shapes, at most ``max_graphs``), ``"on"`` everywhere; both are for measuring.
     """
 
     def __init__(
@@ -216,11 +233,14 @@ class ModelRunner:
         graph_tokens: int = 64,
         graph_bucket: int = 256,
         max_graphs: int = 64,
-        attention: AttentionImpl = "gqa",
+        attention: AttentionImpl = "auto",
         cudnn: CudnnUse = "off",
     ) -> None:
-        if attention not in ("gqa", "fold"):
-            raise ConfigError(f"attention must be 'gqa' or 'fold', got {attention!r}")
+        if attention not in ("auto", "paged", "gqa", "fold"):
+            raise ConfigError(f"attention must be 'auto', 'paged', 'gqa' or 'fold', got {attention!r}")
+        attention = resolve_attention(attention, pool.device)
+        if attention == "paged" and not paged.HAVE_TRITON:
+            raise ConfigError("attention 'paged' needs triton")
         if cudnn not in ("off", "graphs", "on"):
             raise ConfigError(f"cudnn must be 'off', 'graphs' or 'on', got {cudnn!r}")
         self.net = net
@@ -238,7 +258,7 @@ class ModelRunner:
         self._host: torch.Tensor | None = None  # pinned staging for per-forward metadata
         self._dev: torch.Tensor | None = None
         self._copied: Any = torch.cuda.Event() if pool.device.type == "cuda" else None  # type: ignore[no-untyped-call]
-        self.fold = attention == "fold"
+        self.attention: AttentionImpl = attention
         cuda = pool.device.type == "cuda"
         self._backends = _NO_CUDNN if cuda and cudnn != "on" else None  # eager forwards
         self._capture_backends = _ALL_BACKENDS if cuda and cudnn == "graphs" else None
@@ -307,8 +327,21 @@ class ModelRunner:
                 self._graphs.clear()
         self.eager_forwards += 1
         ids_d, pos_d, write_d, read_d, ctx_d = self._upload(None, ids, pos, write, read, ctx_t)
-        mask = None if q == 1 and min(ctx) == t else visible(ctx_d, q, t)
-        return _logits(self.net, ids_d, pos_d, PagedBatch(self.pool, write_d, read_d, mask, self.fold))
+        batch = self.batch(write_d, read_d, ctx_d, unpadded_decode=q == 1 and min(ctx) == t)
+        return _logits(self.net, ids_d, pos_d, batch)
+
+    def batch(
+        self, write: torch.Tensor, read: torch.Tensor, ctx: torch.Tensor, *, unpadded_decode: bool = False
+    ) -> PagedBatch:
+        """Metadata of a forward over cached context (device tensors). The mask is made only
+        for the SDPA paths, and not for one-token decode without padding (a captured graph
+        passes ``unpadded_decode=False``: it makes the mask from ``ctx`` on every replay)."""
+        q = write.shape[1]
+        if (self.attention == "paged" and q <= paged.MAX_QUERY_TOKENS) or unpadded_decode:
+            mask = None
+        else:
+            mask = visible(ctx, q, read.shape[1])
+        return PagedBatch(self.pool, write, read, mask, self.attention, ctx)
 
     def _upload(self, dst: torch.Tensor | None, *parts: torch.Tensor) -> list[torch.Tensor]:
         """Copy ``parts`` (CPU int64) to the device in one transfer through a reused pinned
@@ -358,8 +391,8 @@ class _Graph:
     the same K/V the replay writes, so no page is disturbed."""
 
     def __init__(self, runner: ModelRunner, b: int, q: int, t: int) -> None:
-        self.net, self.pool, self.q, self.t, self.mempool = runner.net, runner.pool, q, t, runner._mempool
-        self.fold, self.backends = runner.fold, runner._capture_backends
+        self.net, self.q, self.t, self.mempool = runner.net, q, t, runner._mempool
+        self.runner, self.pool, self.backends = runner, runner.pool, runner._capture_backends
         self.flat = torch.zeros(3 * b * q + b * t + b, dtype=torch.int64, device=self.pool.device)
         sizes = [b * q, b * q, b * q, b * t, b]
         ids, pos, write, read, ctx = torch.split(self.flat, sizes)
@@ -369,8 +402,7 @@ class _Graph:
         self.out: torch.Tensor | None = None
 
     def _body(self) -> torch.Tensor:
-        batch = PagedBatch(self.pool, self.write, self.read, visible(self.ctx, self.q, self.t), self.fold)
-        return _logits(self.net, self.ids, self.pos, batch)
+        return _logits(self.net, self.ids, self.pos, self.runner.batch(self.write, self.read, self.ctx))
 
     def run(self) -> torch.Tensor:
         """Replay (capturing first if needed) on the inputs already in ``flat``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -9,18 +10,23 @@ import torch
 
 from hicache.backends.pools import DevicePool
 from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
-from hicache.engine.model import AttentionImpl, _folded, fold_mask, visible
+from hicache.engine.attention import HAVE_TRITON
+from hicache.engine.model import AttentionImpl, _folded, fold_mask, resolve_attention, visible
 from hicache.errors import ConfigError, MisuseError
 from hicache.spec.model import Tier
 
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("attention", ["gqa", "fold"])
+INTERPRETED = HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+ATTENTIONS = ["gqa", "fold"] + (["paged"] if INTERPRETED else [])  # CPU pools: Triton only interpreted
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
 def test_paged_attention_matches_stock_transformers(preset: str, attention: AttentionImpl) -> None:
     """Full prefill, prefill over a cached prefix, and a decode step read from pages give
-    the logits of the stock SDPA model, with either way of attending over the context."""
+    the logits of the stock SDPA model, with each way of attending over the context."""
     net = build_model(preset)
     ref = build_model(preset)
     ref.config._attn_implementation = "sdpa"  # type: ignore[union-attr]
@@ -252,3 +258,11 @@ def test_model_runner_rejects_unknown_attention_options() -> None:
         ModelRunner(net, pool, attention="flash")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="'sometimes'"):
         ModelRunner(net, pool, cudnn="sometimes")  # type: ignore[arg-type]
+
+
+def test_auto_attention_is_the_paged_kernel_on_cuda_only() -> None:
+    assert resolve_attention("auto", "cpu") == "gqa"
+    assert resolve_attention("auto", "cuda") == ("paged" if HAVE_TRITON else "gqa")
+    assert resolve_attention("fold", "cuda") == "fold"
+    net = build_model("tiny")
+    assert ModelRunner(net, DevicePool.allocate(kv_geometry(net, 4), 8, "cpu")).attention == "gqa"

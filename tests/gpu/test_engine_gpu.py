@@ -12,6 +12,7 @@ import torch
 
 from hicache.backends.pools import DevicePool
 from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
+from hicache.engine.attention import paged_attention_torch, paged_attention_triton
 from hicache.engine.model import PRESETS, CudnnUse
 from hicache.spec.model import Tier
 
@@ -99,7 +100,7 @@ def test_attention_runs_without_cudnn_sdpa_unless_asked(cudnn: CudnnUse, monkeyp
     layers = int(PRESETS["tiny"]["num_hidden_layers"])
     net = build_model("tiny", device="cuda")
     pool = DevicePool.allocate(kv_geometry(net, 16), 16, "cuda")
-    run = ModelRunner(net, pool, cudnn=cudnn, graph_tokens=1)
+    run = ModelRunner(net, pool, attention="gqa", cudnn=cudnn, graph_tokens=1)
     before = enabled()
     run.forward([(list(range(40)), [0, 1, 2], 0)])  # a fresh prefill: eager
     run.forward([([7, 8], [0, 1, 2], 40)])  # two tokens over the pages: eager (> graph_tokens)
@@ -110,17 +111,40 @@ def test_attention_runs_without_cudnn_sdpa_unless_asked(cudnn: CudnnUse, monkeyp
     assert run.graphs_captured == 1 and enabled() == before
 
 
-def test_folded_attention_serves_the_engine_like_gqa() -> None:
+@pytest.mark.parametrize("graphs", [True, False])
+def test_each_attention_serves_the_engine_like_gqa(graphs: bool) -> None:
     """float32 on CUDA: over cached prefixes (the second request of each prompt) and in
-    decode, the folded path gives the logits of the enable_gqa path."""
+    decode, the folded path and the paged kernel (captured in graphs, or eager) give the
+    logits and tokens of the enable_gqa path."""
     rng = random.Random(1)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (40, 300, 700)]
     logits: dict[str, list[torch.Tensor]] = {}
-    for attention in ("gqa", "fold"):
-        e = Engine("tiny", device="cuda", page_size=16, num_pages=256, attention=attention)
+    tokens: dict[str, list[list[int]]] = {}
+    for attention in ("gqa", "fold", "paged"):
+        e = Engine("tiny", device="cuda", page_size=16, num_pages=256, attention=attention, cuda_graphs=graphs)
+        assert e.runner.attention == attention
         outs = [e.generate([*p, i], max_new_tokens=4) for p in prompts for i in range(2)]
         assert all(o.first_logits is not None for o in outs)
         logits[attention] = [cast(torch.Tensor, o.first_logits) for o in outs]
+        tokens[attention] = [o.tokens for o in outs]
+        assert (e.runner.graph_replays > 0) == graphs
         e.close()
-    for a, b in zip(logits["fold"], logits["gqa"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for attention in ("fold", "paged"):
+        for a, b in zip(logits[attention], logits["gqa"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert tokens[attention] == tokens["gqa"]
+
+
+def test_paged_kernel_on_qwen3_8b_shapes_in_bfloat16() -> None:
+    """A restored tail (22 tokens over 3,584, padded to a graph bucket) and a decode batch
+    with Qwen3-8B's heads, against gather + SDPA."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for b, q, t, ctx in ((1, 22, 3840, [3584]), (8, 1, 2048, [2048, 1900, 35, 700, 1, 2047, 1024, 512])):
+        k_pool = torch.randn(8192, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+        v_pool = torch.randn(8192, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+        read = torch.randint(0, 8192, (b, t), generator=g, device="cuda")
+        query = torch.randn(b, q, 32, 128, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        c = torch.tensor(ctx, device="cuda")
+        got = paged_attention_triton(query, k_pool, v_pool, read, c, 128**-0.5)
+        want = paged_attention_torch(query, k_pool, v_pool, read, c, 128**-0.5)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
