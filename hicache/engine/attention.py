@@ -14,7 +14,7 @@ out of the pool into new tensors. ``paged_attention_triton`` is split-K ("flash 
 * pass 2 merges the splits per query row and writes ``[B, q, Hq, D]``, the layout
   transformers expects back from an attention function.
 
-Masking follows :func:`hicache.engine.model.visible`: query ``i`` of a sequence with ``ctx``
+Masking follows :func:`visible`: query ``i`` of a sequence with ``ctx``
 context tokens (its ``q`` new ones last) sees keys ``0 .. ctx - q + i``; keys at ``>= ctx``
 (graph padding) are never read. Every launch parameter depends on shapes only, and ``ctx``
 is read on the device, so the call can be captured in a CUDA graph and replayed with other
@@ -66,6 +66,13 @@ def _check(
         raise ConfigError(f"query, pools, read_slots and ctx must share a device, got {sorted(map(str, devices))}")
 
 
+def visible(ctx: torch.Tensor, q: int, t: int) -> torch.Tensor:
+    """``[B, 1, q, t]``: query ``i`` of a sequence with ``ctx`` context tokens (its ``q`` new
+    ones last) sees keys ``0 .. ctx - q + i``; padding (keys at ``>= ctx``) is never seen."""
+    rows = ctx.view(-1, 1, 1) - q + torch.arange(q, device=ctx.device).view(1, q, 1)
+    return (torch.arange(t, device=ctx.device).view(1, 1, t) <= rows).unsqueeze(1)
+
+
 def paged_attention_torch(
     query: torch.Tensor,
     k_pool: torch.Tensor,
@@ -78,11 +85,9 @@ def paged_attention_torch(
     ``read_slots`` (``[B, T]``) of ``k_pool``/``v_pool`` (``[slots, H, D]``), sequence ``b``
     seeing its first ``ctx[b]`` keys causally (torch twin: gather, then SDPA)."""
     _check(query, k_pool, v_pool, read_slots, ctx)
-    q, t = query.shape[2], read_slots.shape[1]
     k = k_pool[read_slots].transpose(1, 2).to(query.dtype)
     v = v_pool[read_slots].transpose(1, 2).to(query.dtype)
-    rows = ctx.view(-1, 1, 1) - q + torch.arange(q, device=ctx.device).view(1, q, 1)
-    mask = (torch.arange(t, device=ctx.device).view(1, 1, t) <= rows).unsqueeze(1)
+    mask = visible(ctx, query.shape[2], read_slots.shape[1])
     out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).contiguous()
 

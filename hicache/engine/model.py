@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hicache.backends.pools import DevicePool
 from hicache.core.geometry import KVGeometry
 from hicache.engine import attention as paged
+from hicache.engine.attention import visible as visible  # re-exported: the mask rule lives with the kernel
 from hicache.errors import ConfigError
 
 ATTENTION = "hicache_paged"
@@ -79,13 +80,6 @@ class PagedBatch:
     attention: AttentionImpl = "gqa"  # how to attend over the context (see ModelRunner); never "auto"
     ctx: torch.Tensor | None = None  # int64 [B], for "paged"
     folded_mask: torch.Tensor | None = None  # ``mask`` repeated per query group, made once per forward
-
-
-def visible(ctx: torch.Tensor, q: int, t: int) -> torch.Tensor:
-    """``[B, 1, q, t]``: query ``i`` of a sequence with ``ctx`` context tokens (its ``q`` new
-    ones last) sees keys ``0 .. ctx - q + i``; padding (keys at ``>= ctx``) is never seen."""
-    rows = ctx.view(-1, 1, 1) - q + torch.arange(q, device=ctx.device).view(1, q, 1)
-    return (torch.arange(t, device=ctx.device).view(1, 1, t) <= rows).unsqueeze(1)
 
 
 def paged_attention(
