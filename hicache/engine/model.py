@@ -81,6 +81,12 @@ class PagedBatch:
     ctx: torch.Tensor | None = None  # int64 [B], for "paged"
     folded_mask: torch.Tensor | None = None  # ``mask`` repeated per query group, made once per forward
 
+    def __post_init__(self) -> None:
+        if self.attention not in ("paged", "gqa", "fold"):
+            raise ConfigError(f"a batch attends with 'paged', 'gqa' or 'fold', got {self.attention!r}")
+        if self.attention == "paged" and self.read_slots is not None and self.ctx is None:
+            raise ConfigError("attention 'paged' needs the batch's context lengths (ctx)")
+
 
 def paged_attention(
     module: torch.nn.Module,
@@ -111,7 +117,8 @@ def paged_attention(
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=True
         )
-    elif batch.attention == "paged" and batch.ctx is not None and query.shape[2] <= paged.MAX_QUERY_TOKENS:
+    elif batch.attention == "paged" and query.shape[2] <= paged.MAX_QUERY_TOKENS:
+        assert batch.ctx is not None  # PagedBatch checks it
         return paged.paged_attention_triton(query, k_pool, v_pool, batch.read_slots, batch.ctx, scaling), None
     else:
         k = k_pool[batch.read_slots].transpose(1, 2).to(query.dtype)

@@ -11,7 +11,7 @@ import torch
 from hicache.backends.pools import DevicePool
 from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
 from hicache.engine.attention import HAVE_TRITON
-from hicache.engine.model import AttentionImpl, _folded, fold_mask, resolve_attention, visible
+from hicache.engine.model import AttentionImpl, PagedBatch, _folded, fold_mask, resolve_attention, visible
 from hicache.errors import ConfigError, MisuseError
 from hicache.spec.model import Tier
 
@@ -258,6 +258,17 @@ def test_model_runner_rejects_unknown_attention_options() -> None:
         ModelRunner(net, pool, attention="flash")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="'sometimes'"):
         ModelRunner(net, pool, cudnn="sometimes")  # type: ignore[arg-type]
+
+
+def test_a_paged_batch_needs_context_lengths() -> None:
+    net = build_model("tiny")
+    pool = DevicePool.allocate(kv_geometry(net, 4), 8, "cpu")
+    write, read = torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64)
+    with pytest.raises(ConfigError, match="context lengths"):
+        PagedBatch(pool, write, read, None, "paged")
+    with pytest.raises(ConfigError, match="'auto'"):
+        PagedBatch(pool, write, read, None, "auto")
+    assert PagedBatch(pool, write, None, None, "paged").ctx is None  # a fresh prefill reads no context
 
 
 def test_auto_attention_is_the_paged_kernel_on_cuda_only() -> None:
