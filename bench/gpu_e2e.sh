@@ -3,7 +3,7 @@
 #   bash bench/gpu_e2e.sh tests latency8b     (phases run in the order given)
 # Phases: tests, transfer (race demo, transfer and storage benchmarks), latency8b, latency8b-quick,
 # attnprobe (attention backends: memory per shape, speed of a tail call and a decode call), attention8b (ATTN_VARIANTS, default 6 attention variants, ~1.1 min each), latency4b, stress8b, stress4b (STRESS_REPEATS, default 3: ~7.5 min each), soak (SOAK_MINUTES, default 5),
-# fwdprofile (kernels of a restored tail's forward by kind), soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
+# fwdprofile (kernels of a restored tail's forward by kind), layerload (layer-by-layer H2D ways), soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
 # Results go to $OUT (default bench/results).
 set -uo pipefail
 OUT=${OUT:-bench/results}
@@ -27,6 +27,7 @@ for phase in "$@"; do
       python3 bench/transfer.py --out "$OUT" 2>&1 | tail -14
       python3 bench/storage.py --dir /tmp --out "$OUT" 2>&1 | tail -14
       python3 bench/storage.py --dir /tmp --out "$OUT" --chunk-pages 1000000 --tag h200-unchunked 2>&1 | tail -14 ;;
+    layerload) python3 bench/layer_load.py --out "$OUT" ;;  # zero-copy layer-ranged H2D vs DMA, ~1 min
     fwdprofile) python3 bench/forward_profile.py --context 3500 --tail 22 --out "$OUT/forward_profile-$(date +%F)-h200.json" ;;  # ~1 min
     bookkeeping) python3 bench/bookkeeping.py --prefix-tokens 3500 && python3 bench/bookkeeping.py --prefix-tokens 350 ;;
     latency8b) (cd bench && python3 bench_hicache.py --model qwen3-8b --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;

@@ -124,3 +124,99 @@ def scatter_triton(packed: torch.Tensor, ids: torch.Tensor, slabs: torch.Tensor)
     """``slabs[s, ids[i]] = packed[i, s]`` with one Triton launch."""
     _check(slabs, ids, packed)
     _launch(_scatter_kernel, packed, ids, slabs, slabs)
+
+
+# -- layer-ranged loads straight from L2 (zero-copy reads of pinned host memory) -----------
+#
+# A restore that hands its pages to the model layer by layer (attention of layer l waits only
+# for layer l) needs the H2D in layer order. L2 is page-major (one DMA per run), so layer l
+# of n pages is 2n strided pieces. ``load_layers_triton`` reads them where they lie: on CUDA
+# the source is pinned host memory, which the kernel reads over PCIe through its unified
+# address (no staging copy, no DMA engine); under TRITON_INTERPRET=1 everything is on CPU.
+# It is a building block, measured by ``bench/transfer.py --zero-copy``; no restore path
+# uses it yet.
+
+
+def _check_load(
+    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, layers: tuple[int, int]
+) -> None:
+    if src.dim() != 3 or dst.dim() != 3 or src.shape[1] != dst.shape[0] or src.shape[2] != dst.shape[2]:
+        raise ConfigError(
+            f"src must be L2 slabs [P2, S, E] and dst L1 slabs [S, P1, E]; got {tuple(src.shape)}, {tuple(dst.shape)}"
+        )
+    if src.shape[1] % 2:
+        raise ConfigError(f"S = 2 * layers must be even, got {src.shape[1]}")
+    lo, hi = layers
+    if not 0 <= lo < hi <= src.shape[1] // 2:
+        raise ConfigError(f"layers [{lo}, {hi}) outside [0, {src.shape[1] // 2})")
+    if src.dtype != dst.dtype:
+        raise ConfigError(f"dtype mismatch: src {src.dtype}, dst {dst.dtype}")
+    for name, ids in (("src_ids", src_ids), ("dst_ids", dst_ids)):
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous():
+            raise ConfigError(f"{name} must be a contiguous 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+        if ids.device != dst.device:
+            raise ConfigError(f"{name} must be on {dst.device}, got {ids.device}")
+    if src_ids.numel() != dst_ids.numel():
+        raise ConfigError(f"{src_ids.numel()} source pages for {dst_ids.numel()} destination pages")
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ConfigError("src and dst must be contiguous")
+
+
+def load_layers_torch(
+    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, layers: tuple[int, int]
+) -> None:
+    """``dst[kv * L + l, dst_ids[i]] = src[src_ids[i], kv * L + l]`` for K/V ``kv`` and
+    layers ``l`` in ``[layers[0], layers[1])`` (torch twin; the source is gathered on its
+    own device first)."""
+    _check_load(src, src_ids, dst, dst_ids, layers)
+    half = src.shape[1] // 2
+    slabs = torch.cat([torch.arange(*layers), half + torch.arange(*layers)])
+    rows = src.index_select(0, src_ids.to(src.device)).index_select(1, slabs.to(src.device))
+    slabs = slabs.to(dst.device)
+    dst[slabs.view(-1, 1), dst_ids.view(1, -1)] = rows.transpose(0, 1).to(dst.device)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _load_kernel(
+        src_ptr,  # L2 slabs [P2, S, E], contiguous (pinned host memory on CUDA)
+        src_ids_ptr,  # int64 [n]: L2 page of page i
+        dst_ptr,  # L1 slabs [S, P1, E], contiguous
+        dst_ids_ptr,  # int64 [n]: L1 page of page i
+        dst_pages,  # P1
+        half,  # S // 2 = layers
+        layer_lo,
+        layer_count,
+        page_elements,  # E
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)  # (i * 2 + kv) * layer_count + (layer - layer_lo)
+        col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < page_elements
+        i = row // (2 * layer_count)
+        kv = (row // layer_count) % 2
+        slab = kv * half + layer_lo + row % layer_count
+        src_page = tl.load(src_ids_ptr + i).to(tl.int64)
+        dst_page = tl.load(dst_ids_ptr + i).to(tl.int64)
+        vals = tl.load(src_ptr + (src_page * 2 * half + slab) * page_elements + col, mask=mask)
+        tl.store(dst_ptr + (slab * dst_pages + dst_page) * page_elements + col, vals, mask=mask)
+
+
+def load_layers_triton(
+    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, layers: tuple[int, int]
+) -> None:
+    """:func:`load_layers_torch` in one Triton launch that reads ``src`` where it lies."""
+    if not HAVE_TRITON:
+        raise ConfigError("triton is not installed")
+    _check_load(src, src_ids, dst, dst_ids, layers)
+    n = dst_ids.numel()
+    if n == 0:
+        return
+    s, p, e = dst.shape
+    count = layers[1] - layers[0]
+    block = min(4096, triton.next_power_of_2(e))
+    grid = (n * 2 * count, triton.cdiv(e, block))
+    _load_kernel[grid](
+        src, src_ids, dst, dst_ids, p, s // 2, layers[0], count, e, BLOCK=block, num_warps=4 if block <= 1024 else 8
+    )

@@ -53,3 +53,45 @@ def test_launchers_refuse_bad_arguments() -> None:
         )
     with pytest.raises(ConfigError, match="does not fit"):
         kernels.gather_triton(slabs, torch.tensor([0, 1, 2], device=DEVICE), packed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layers", [(0, 3), (1, 2), (2, 3)])
+def test_layer_ranged_load_matches_torch_and_only_its_layers(dtype: torch.dtype, layers: tuple[int, int]) -> None:
+    """L2 slabs [P2, 2*L, E] (pinned host memory on CUDA, read in place) into L1 slabs
+    [2*L, P1, E]: the K and V slabs of the given layers of the given pages, nothing else."""
+    gen = torch.Generator().manual_seed(layers[0] * 10 + layers[1])
+    n_layers, l2_pages, l1_pages, elems, n = 3, 11, 9, 97, 5
+    src = torch.randn((l2_pages, 2 * n_layers, elems), generator=gen).to(dtype)
+    if DEVICE == "cuda":
+        src = src.pin_memory()
+    src_ids = torch.randperm(l2_pages, generator=gen)[:n].to(DEVICE)
+    dst_ids = torch.randperm(l1_pages, generator=gen)[:n].to(DEVICE)
+    base = rand((2 * n_layers, l1_pages, elems), dtype, gen)
+    a, b = base.clone(), base.clone()
+    kernels.load_layers_torch(src, src_ids, a, dst_ids, layers)
+    kernels.load_layers_triton(src, src_ids, b, dst_ids, layers)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(a, b)
+    want = base.clone()
+    for i in range(n):
+        for kv in range(2):
+            for layer in range(*layers):
+                slab = kv * n_layers + layer
+                want[slab, int(dst_ids[i])] = src[int(src_ids[i]), slab].to(DEVICE)
+    assert torch.equal(b, want)
+
+
+def test_layer_ranged_load_refuses_bad_arguments() -> None:
+    src = torch.zeros(4, 6, 8)
+    dst = torch.zeros(6, 5, 8, device=DEVICE)
+    ids = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ConfigError, match="outside"):
+        kernels.load_layers_triton(src, ids, dst, ids, (2, 4))
+    with pytest.raises(ConfigError, match="source pages"):
+        kernels.load_layers_triton(src, ids[:1], dst, ids, (0, 1))
+    with pytest.raises(ConfigError, match="dtype"):
+        kernels.load_layers_triton(src.half(), ids, dst, ids, (0, 1))
+    with pytest.raises(ConfigError, match=r"\[P2, S, E\]"):
+        kernels.load_layers_triton(src[:, :4], ids, dst, ids, (0, 1))
