@@ -23,22 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections.abc import Callable
 from datetime import date
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from transfer import QWEN3_8B, gpu
 
 from hicache.backends import kernels
 from hicache.backends.pools import DevicePool, HostPool
-from hicache.core.geometry import KVGeometry
-
-QWEN3_8B = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
-_Event: Any = torch.cuda.Event
 
 
 def dma_scatter(host: torch.Tensor, packed: torch.Tensor, dst_ids: torch.Tensor, l1_slabs: torch.Tensor) -> None:
@@ -57,21 +52,6 @@ def zero_copy(
     """One zero-copy launch per layer range."""
     for r in ranges:
         kernels.load_layers_triton(l2_slabs, src_ids, l1_slabs, dst_ids, r)
-
-
-def timed(fn: Callable[[], object], reps: int) -> float:
-    """Median device seconds of ``fn`` (CUDA events on the current stream), after a warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        a, b = _Event(enable_timing=True), _Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        samples.append(float(a.elapsed_time(b)) / 1e3)
-    return statistics.median(samples)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             ("zero-copy, per layer", partial(zero_copy, l2.slabs, src_ids, l1.slabs, dst_ids, each_layer)),
         ):
             l1.slabs.zero_()
-            s = timed(fn, args.reps)
+            s = gpu(fn, args.reps)
             base = base or s
             if way != "pinned copy":  # every loaded page bit-identical to its L2 page
                 got = l1.slabs.index_select(1, dst_ids).transpose(0, 1).cpu()
@@ -140,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         compute()
         torch.cuda.current_stream().wait_stream(side)
 
-    alone, together, load = timed(compute, args.reps), timed(both, args.reps), timed(load_each, args.reps)
+    alone, together, load = gpu(compute, args.reps), gpu(both, args.reps), gpu(load_each, args.reps)
     print(
         f"\noverlap ({n} pages, per-layer zero-copy on a side stream): matmul loop {alone * 1e3:.2f} ms alone, "
         f"load {load * 1e3:.2f} ms alone, both {together * 1e3:.2f} ms "
