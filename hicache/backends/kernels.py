@@ -133,8 +133,7 @@ def scatter_triton(packed: torch.Tensor, ids: torch.Tensor, slabs: torch.Tensor)
 # of n pages is 2n strided pieces. ``load_layers_triton`` reads them where they lie: on CUDA
 # the source is pinned host memory, which the kernel reads over PCIe through its unified
 # address (no staging copy, no DMA engine); under TRITON_INTERPRET=1 everything is on CPU.
-# It is a building block, measured by ``bench/transfer.py --zero-copy``; no restore path
-# uses it yet.
+# It is a building block, measured by ``bench/layer_load.py``; no restore path uses it yet.
 
 
 def _check_load(
@@ -210,6 +209,8 @@ def load_layers_triton(
     if not HAVE_TRITON:
         raise ConfigError("triton is not installed")
     _check_load(src, src_ids, dst, dst_ids, layers)
+    if dst.is_cuda and not src.is_cuda and not src.is_pinned():
+        raise ConfigError("a CUDA load reads host memory in place: src must be pinned (an L2 HostPool's slabs)")
     n = dst_ids.numel()
     if n == 0:
         return
