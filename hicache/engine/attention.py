@@ -12,8 +12,8 @@ for 22 queries over 3,584 keys, 223-3,523 us for a decode batch of 32 over 2,048
   ``_folded`` so K/V are read once per head), walks its split of the context reading K/V
   rows through ``read_slots`` (no gather copy), and keeps an online softmax; writes the
   split's normalised output and log-sum-exp;
-* pass 2 merges the splits per query row and writes ``[B, q, Hq, D]``, the layout
-  transformers expects back from an attention function.
+* pass 2, one program per query row, merges its splits (16 at a time) and writes
+  ``[B, q, Hq, D]``, the layout transformers expects back from an attention function.
 
 Masking follows :func:`visible`: query ``i`` of a sequence with ``ctx``
 context tokens (its ``q`` new ones last) sees keys ``0 .. ctx - q + i``; keys at ``>= ctx``
@@ -190,33 +190,36 @@ if HAVE_TRITON:
         SPLITS,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr,
+        BLOCK_S: tl.constexpr,  # splits merged per step (loaded together)
     ):
-        pid_bh = tl.program_id(0).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < R
+        # one program per (sequence, K/V head, row): its splits, BLOCK_S at a time
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid % R
+        bh = pid // R
+        b = bh // H
+        h = bh % H
         d = tl.arange(0, BLOCK_D)
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        den = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for split in range(0, SPLITS):
-            idx = (pid_bh * SPLITS + split) * R + rows
-            lse = tl.load(lse_ptr + idx, mask=row_ok, other=float("-inf"))
-            part = tl.load(acc_ptr + idx[:, None] * BLOCK_D + d[None, :], mask=row_ok[:, None], other=0.0)
-            new = tl.maximum(top, lse)
+        top = float("-inf")
+        den = 0.0
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, SPLITS, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            s_ok = s < SPLITS
+            idx = (bh * SPLITS + s) * R + row
+            lse = tl.load(lse_ptr + idx, mask=s_ok, other=float("-inf"))
+            part = tl.load(acc_ptr + idx[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+            new = tl.maximum(top, tl.max(lse, 0))
             safe = tl.where(new == float("-inf"), 0.0, new)
             old_w = tl.exp(top - safe)
             w = tl.exp(lse - safe)
-            den = den * old_w + w
-            acc = acc * old_w[:, None] + w[:, None] * part
+            den = den * old_w + tl.sum(w, 0)
+            acc = acc * old_w + tl.sum(w[:, None] * part, 0)
             top = new
-        out = acc / tl.where(den > 0, den, 1.0)[:, None]
-        head = h * G + rows // Q
-        tok = rows % Q
-        dst = ((b * Q + tok[:, None]) * (H * G) + head[:, None]) * HEAD_DIM + d[None, :]
-        tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+        out = acc / tl.where(den > 0, den, 1.0)
+        head = h * G + row // Q
+        tok = row % Q
+        dst = ((b * Q + tok) * (H * G) + head) * HEAD_DIM + d
+        tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def paged_attention_triton(
@@ -259,5 +262,5 @@ def paged_attention_triton(
         t, q, g, h, r, splits, chunk, scale,
         BLOCK_N=block_n, PRECISION=precision, num_warps=4, **kw,
     )  # fmt: skip
-    _merge_kernel[(b * h, m_blocks)](acc, lse, out, q, g, h, r, splits, num_warps=4, **kw)
+    _merge_kernel[(b * h * r,)](acc, lse, out, q, g, h, r, splits, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=16, num_warps=2)
     return out

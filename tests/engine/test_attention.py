@@ -64,6 +64,16 @@ def test_kernel_equals_gather_and_sdpa(shape: tuple[int, int, int, int, int, int
     torch.testing.assert_close(got, want, rtol=tolerance(dtype), atol=tolerance(dtype))
 
 
+def test_many_key_splits_merge_in_several_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More key splits than the merge takes in one step (16): as on a big GPU."""
+    monkeypatch.setattr(paged, "_programs_wanted", lambda device: 512)
+    query, k_pool, v_pool, read, ctx = case(1, 4, 2, 3, 16, 1300, torch.float32, seed=5)
+    ctx[0] = 1300
+    got = paged.paged_attention_triton(query, k_pool, v_pool, read, ctx, 0.3)
+    want = paged.paged_attention_torch(query, k_pool, v_pool, read, ctx, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_keys_past_the_context_are_never_read() -> None:
     """Graph padding: the slots past each sequence's context may hold anything (NaN here)."""
     query, k_pool, v_pool, read, ctx = case(2, 4, 2, 3, 16, 90, torch.float32)
