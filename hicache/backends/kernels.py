@@ -169,10 +169,13 @@ def load_layers_torch(
     own device first)."""
     _check_load(src, src_ids, dst, dst_ids, layers)
     half = src.shape[1] // 2
-    slabs = torch.cat([torch.arange(*layers), half + torch.arange(*layers)])
-    rows = src.index_select(0, src_ids.to(src.device)).index_select(1, slabs.to(src.device))
-    slabs = slabs.to(dst.device)
-    dst[slabs.view(-1, 1), dst_ids.view(1, -1)] = rows.transpose(0, 1).to(dst.device)
+
+    def slabs(device: torch.device) -> torch.Tensor:  # made where used: no upload, no host wait
+        k = torch.arange(*layers, device=device)
+        return torch.cat([k, k + half])
+
+    rows = src.index_select(0, src_ids.to(src.device)).index_select(1, slabs(src.device))
+    dst[slabs(dst.device).view(-1, 1), dst_ids.view(1, -1)] = rows.transpose(0, 1).to(dst.device)
 
 
 if HAVE_TRITON:
@@ -188,36 +191,62 @@ if HAVE_TRITON:
         layer_lo,
         layer_count,
         page_elements,  # E
+        rows,  # n * 2 * layer_count
         BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)  # (i * 2 + kv) * layer_count + (layer - layer_lo)
+        # rows r = pid, pid + programs, ...: a grid smaller than the rows leaves SMs to others
         col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = col < page_elements
-        i = row // (2 * layer_count)
-        kv = (row // layer_count) % 2
-        slab = kv * half + layer_lo + row % layer_count
-        src_page = tl.load(src_ids_ptr + i).to(tl.int64)
-        dst_page = tl.load(dst_ids_ptr + i).to(tl.int64)
-        vals = tl.load(src_ptr + (src_page * 2 * half + slab) * page_elements + col, mask=mask)
-        tl.store(dst_ptr + (slab * dst_pages + dst_page) * page_elements + col, vals, mask=mask)
+        for r in range(tl.program_id(0), rows, tl.num_programs(0)):
+            row = tl.cast(r, tl.int64)  # (i * 2 + kv) * layer_count + (layer - layer_lo)
+            i = row // (2 * layer_count)
+            kv = (row // layer_count) % 2
+            slab = kv * half + layer_lo + row % layer_count
+            src_page = tl.load(src_ids_ptr + i).to(tl.int64)
+            dst_page = tl.load(dst_ids_ptr + i).to(tl.int64)
+            vals = tl.load(src_ptr + (src_page * 2 * half + slab) * page_elements + col, mask=mask)
+            tl.store(dst_ptr + (slab * dst_pages + dst_page) * page_elements + col, vals, mask=mask)
 
 
 def load_layers_triton(
-    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, layers: tuple[int, int]
+    src: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst: torch.Tensor,
+    dst_ids: torch.Tensor,
+    layers: tuple[int, int],
+    *,
+    programs: int | None = None,
 ) -> None:
-    """:func:`load_layers_torch` in one Triton launch that reads ``src`` where it lies."""
+    """:func:`load_layers_torch` in one Triton launch that reads ``src`` where it lies.
+    ``src`` may also be a device buffer of the same layout (a packed workspace). With
+    ``programs``, at most that many programs per column block loop over the rows (a load
+    that runs beside a forward then takes only a few SMs)."""
     if not HAVE_TRITON:
         raise ConfigError("triton is not installed")
     _check_load(src, src_ids, dst, dst_ids, layers)
     if dst.is_cuda and not src.is_cuda and not src.is_pinned():
         raise ConfigError("a CUDA load reads host memory in place: src must be pinned (an L2 HostPool's slabs)")
+    if programs is not None and programs < 1:
+        raise ConfigError(f"programs must be >= 1, got {programs}")
     n = dst_ids.numel()
     if n == 0:
         return
     s, p, e = dst.shape
     count = layers[1] - layers[0]
+    rows = n * 2 * count
     block = min(4096, triton.next_power_of_2(e))
-    grid = (n * 2 * count, triton.cdiv(e, block))
+    grid = (min(rows, programs or rows), triton.cdiv(e, block))
     _load_kernel[grid](
-        src, src_ids, dst, dst_ids, p, s // 2, layers[0], count, e, BLOCK=block, num_warps=4 if block <= 1024 else 8
+        src,
+        src_ids,
+        dst,
+        dst_ids,
+        p,
+        s // 2,
+        layers[0],
+        count,
+        e,
+        rows,
+        BLOCK=block,
+        num_warps=4 if block <= 1024 else 8,
     )

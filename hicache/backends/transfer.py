@@ -9,6 +9,19 @@ D2H::
 H2D is symmetric: host gather only when the L2 pages are fragmented, one DMA, one scatter
 launch into arbitrary L1 pages.
 
+Layered H2D (``h2d(..., layer_events=...)``, CUDA with cuda-python): the same source, moved
+in groups of layers (:meth:`TransferEngine.layer_groups`: small at both ends, up to
+``max_layer_group`` in the middle; few groups keep the host's enqueue short, and the forward
+launches only after it): per group
+two strided DMAs per run (its K and V slabs of every page,
+:func:`hicache.backends.dma.copy_rows`), one scatter of those layers into L1 with at most
+``scatter_programs`` programs (the forward that overlaps it keeps the other SMs), then each
+distinct event among ``layer_events[lo:hi]`` is recorded once (a caller that shares one
+event across a group's layers saves the records). A forward that waits on
+``layer_events[l]`` before its layer ``l`` reads the restored pages while later layers are
+still on the wire (``hicache.engine`` does). The ticket still completes only after the last
+layer: publication and the state machine are unchanged.
+
 Streams: the private transfer stream first waits on the caller's current stream (page ids
 and pages it produced are ready), and the caller makes its stream wait on the ticket's
 event (:meth:`DeviceTicket.wait_on_current_stream`) before reading restored pages. Tensors
@@ -19,6 +32,7 @@ On a CPU-only machine the same API runs synchronously (no streams; tickets finis
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import statistics
@@ -30,7 +44,7 @@ from typing import Any, Literal
 
 import torch
 
-from hicache.backends import kernels
+from hicache.backends import dma, kernels
 from hicache.backends.faults import FaultInjector
 from hicache.backends.pools import DevicePool, HostPool, check_pages, coalesce
 from hicache.backends.ticket import Ticket
@@ -87,11 +101,19 @@ class TransferEngine:
         *,
         faults: FaultInjector | None = None,
         min_run_bytes: int = 256 * 1024,
+        layer_group: int = 1,
+        max_layer_group: int = 8,
+        scatter_programs: int = 32,
     ) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ConfigError(f"transfer backend must be auto, triton or torch; got {backend!r}")
         if l1.geometry != l2.geometry:
             raise ConfigError("L1 and L2 pools have different geometries")
+        if min(layer_group, max_layer_group, scatter_programs) < 1 or max_layer_group < layer_group:
+            raise ConfigError(
+                "need 1 <= layer_group <= max_layer_group and scatter_programs >= 1, got "
+                f"{layer_group}, {max_layer_group}, {scatter_programs}"
+            )
         self.l1 = l1
         self.l2 = l2
         self.geometry = l1.geometry
@@ -106,6 +128,9 @@ class TransferEngine:
         # least this many bytes (each DMA is then near full speed); otherwise one DMA into
         # a pinned workspace plus one host index_copy_.
         self.min_run_bytes = min_run_bytes
+        self.layer_group = layer_group
+        self.max_layer_group = max_layer_group
+        self.scatter_programs = scatter_programs
         self.gather_backend: str | None = None
         self.scatter_backend: str | None = None
         self.autotune_ms: dict[str, float] = {}
@@ -233,12 +258,43 @@ class TransferEngine:
         """Copy L1 pages ``src`` into L2 pages ``dst`` (same order)."""
         return self._transfer(Direction.D2H, src, dst)
 
-    def h2d(self, src: Sequence[int], dst: Sequence[int]) -> DeviceTicket:
-        """Copy L2 pages ``src`` into L1 pages ``dst``. Before reading ``dst`` on a stream,
-        call ``ticket.wait_on_current_stream()`` (or ``wait()``)."""
-        return self._transfer(Direction.H2D, src, dst)
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """The ``[lo, hi)`` layer ranges a layered H2D moves, in order (module docstring):
+        sizes grow from ``layer_group`` by doubling to ``max_layer_group`` and shrink the
+        same way at the end (1, 2, 4, 8, 6, 8, 4, 2, 1 for 36 layers). Small first groups
+        let the forward start early; small last ones leave it little to do after the last
+        layer lands (when the copy is the slower, the forward waits on every group's end)."""
+        head: list[int] = []
+        tail: list[int] = []
+        left, size = self.geometry.num_layers, self.layer_group
+        while left > 0:
+            for part in (head, tail):
+                if left > 0:
+                    part.append(min(size, left))
+                    left -= part[-1]
+            size = min(2 * size, self.max_layer_group)
+        bounds = list(itertools.accumulate(head + tail[::-1], initial=0))
+        return list(itertools.pairwise(bounds))
 
-    def _transfer(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> DeviceTicket:
+    @property
+    def layered(self) -> bool:
+        """Whether :meth:`h2d` can signal layers as they land (CUDA with cuda-python)."""
+        return self.cuda and dma.AVAILABLE
+
+    def h2d(self, src: Sequence[int], dst: Sequence[int], layer_events: Sequence[Any] | None = None) -> DeviceTicket:
+        """Copy L2 pages ``src`` into L1 pages ``dst``. Before reading ``dst`` on a stream,
+        call ``ticket.wait_on_current_stream()`` (or ``wait()``). With ``layer_events`` (one
+        ``torch.cuda.Event`` per layer) the copy goes layer by layer and records
+        ``layer_events[l]`` once layer ``l`` of every page is in L1 (see the module
+        docstring); where that is unavailable (:attr:`layered` False: CPU, or no cuda-python)
+        the events are recorded with the last page instead."""
+        if layer_events is not None and len(layer_events) not in (0, self.geometry.num_layers):
+            raise ConfigError(f"layer_events: {len(layer_events)} events for {self.geometry.num_layers} layers")
+        return self._transfer(Direction.H2D, src, dst, layer_events or None)
+
+    def _transfer(
+        self, direction: Direction, src: Sequence[int], dst: Sequence[int], events: Sequence[Any] | None = None
+    ) -> DeviceTicket:
         t0 = time.perf_counter()
         if len(src) != len(dst):
             raise PageOwnershipError(f"{direction.name}: {len(src)} source pages for {len(dst)} destinations")
@@ -262,7 +318,7 @@ class TransferEngine:
             if direction is Direction.D2H:
                 complete = self._issue_d2h(ticket, ws, l1_pages, l2_pages, runs, per_run)
             else:
-                complete = self._issue_h2d(ticket, ws, l2_pages, l1_pages, runs, per_run)
+                complete = self._issue_h2d(ticket, ws, l2_pages, l1_pages, runs, per_run, events)
         except BaseException:
             if self.cuda:  # NOTE: work may already be queued on the stream using ws
                 self.stream.synchronize()
@@ -360,6 +416,7 @@ class TransferEngine:
         dst: Sequence[int],
         runs: list[tuple[int, int]],
         per_run: bool,
+        events: Sequence[Any] | None = None,
     ) -> Callable[[], None]:
         n = len(src)
         packed = ws.device[:n]
@@ -369,6 +426,9 @@ class TransferEngine:
             staged = ws.host[:n]
             torch.index_select(self.l2.slabs, 0, torch.tensor(src, dtype=torch.int64), out=staged)
         ids = self._ids(dst)
+        if events is not None and self.layered:
+            self._issue(ticket, lambda: self._layered_copies(packed, staged, src, runs, ids, events), [ids, ws, staged])
+            return lambda: None
 
         def copies() -> None:
             if staged is not None:
@@ -378,9 +438,46 @@ class TransferEngine:
                     h = src[first]
                     packed[first:end].copy_(self.l2.slabs[h : h + end - first], non_blocking=self.cuda)
             self._run(SCATTER, "scatter", (packed, ids, self.l1.slabs))
+            for event in {id(e): e for e in events or ()}.values():  # every layer lands with the last page
+                event.record(self.stream)
 
         self._issue(ticket, copies, [ids, ws, staged])
         return lambda: None
+
+    def _layered_copies(
+        self,
+        packed: torch.Tensor,
+        staged: torch.Tensor | None,
+        src: Sequence[int],
+        runs: list[tuple[int, int]],
+        ids: torch.Tensor,
+        events: Sequence[Any],
+    ) -> None:
+        """On the transfer stream: per group of layers, strided DMAs of their K and V slabs
+        into the workspace, one scatter into L1, one event per layer."""
+        layers = self.geometry.num_layers
+        n = packed.shape[0]
+        rows = torch.arange(n, device=packed.device)
+        pieces = (
+            [(0, n, staged)]
+            if staged is not None
+            else [(a, b, self.l2.slabs[src[a] : src[a] + b - a]) for a, b in runs]
+        )
+        for lo, hi in self.layer_groups():
+            for first, end, host in pieces:
+                assert host is not None
+                for base in (0, layers):  # K slabs, then V slabs
+                    dma.copy_rows(
+                        packed[first:end, base + lo : base + hi].flatten(1),
+                        host[:, base + lo : base + hi].flatten(1),
+                        self.stream,
+                    )
+            if self.scatter_backend == "triton":
+                kernels.load_layers_triton(packed, rows, self.l1.slabs, ids, (lo, hi), programs=self.scatter_programs)
+            else:
+                kernels.load_layers_torch(packed, rows, self.l1.slabs, ids, (lo, hi))
+            for event in {id(e): e for e in events[lo:hi]}.values():
+                event.record(self.stream)
 
     def _issue(self, ticket: DeviceTicket, copies: Callable[[], None], keep: list[Any]) -> None:
         """Run ``copies`` synchronously (CPU) or on the transfer stream behind the caller's."""

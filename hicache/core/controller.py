@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from hicache.core.cache import CacheCore
 from hicache.core.cost import CostModel, Plan
@@ -74,6 +74,17 @@ class PendingRestore:
     started: float
     error: str | None = None
     overlapped_s: float = 0.0
+    # Set when the H2D started with layer events (``start_restore(layer_events=...)``): the
+    # L1 pages the request's prefix will have once published, in token order, which the
+    # device fills layer by layer. Reading them is for the requester only, on the device,
+    # each layer after its event; the host publishes them (and anyone else may read them)
+    # only when the whole transfer succeeded. On failure the reader discards what it read.
+    pages: list[DevicePage] | None = None
+
+    @property
+    def layered(self) -> bool:
+        """The H2D is in flight and signals each layer as it lands."""
+        return self.pages is not None
 
     @property
     def finished(self) -> bool:
@@ -253,9 +264,16 @@ class Controller:
 
     # -- restore -----------------------------------------------------------------------------
 
-    def start_restore(self, req: Request, plan: Plan | None = None) -> PendingRestore | None:
+    def start_restore(
+        self, req: Request, plan: Plan | None = None, *, layer_events: Sequence[Any] | None = None
+    ) -> PendingRestore | None:
         """Begin restoring ``req``'s prefix per ``plan`` (default: :meth:`plan`). Returns
-        None when there is nothing to restore or it cannot start (counted as fallback)."""
+        None when there is nothing to restore or it cannot start (counted as fallback).
+
+        ``layer_events`` (one per layer; an empty sequence on CPU) asks an L2 restore's H2D
+        to record ``layer_events[l]`` once layer ``l`` has landed; the restore then carries
+        ``pages`` (:class:`PendingRestore`) so the engine can start the request's forward
+        before publication. An L3 restore ignores it (its H2D starts at a later poll)."""
         self._enter()
         self._live(req)
         if req.restore is not None and not req.restore.finished:
@@ -270,7 +288,7 @@ class Controller:
             started = self._start(Direction.S2H, hit.l3.node, restore)
         else:
             restore.stage = "h2d"
-            started = self._start(Direction.H2D, hit.l2.node, restore)
+            started = self._start(Direction.H2D, hit.l2.node, restore, layer_events)
         if not started:
             self._fail(restore, "could not start (no room or a transfer already in flight)")
             return None
@@ -308,7 +326,13 @@ class Controller:
         assert self.storage is not None
         return self.storage.write if direction is Direction.H2S else self.storage.read
 
-    def _start(self, direction: Direction, node: Node, restore: PendingRestore | None) -> bool:
+    def _start(
+        self,
+        direction: Direction,
+        node: Node,
+        restore: PendingRestore | None,
+        layer_events: Sequence[Any] | None = None,
+    ) -> bool:
         core = self.core
         if not node.alive or not core.can_start(direction, node):
             return False
@@ -319,12 +343,28 @@ class Controller:
         if transfer is None:
             return False
         try:
-            ticket = self._mover(direction)(transfer.src, transfer.dst)
+            if layer_events is None:
+                ticket = self._mover(direction)(transfer.src, transfer.dst)
+            else:
+                ticket = self.device.h2d(transfer.src, transfer.dst, layer_events=layer_events)
         except BaseException:
             core.fail(transfer)
             raise
         self._jobs[transfer.id] = _Job(transfer, ticket, restore)
+        if layer_events is not None and restore is not None:
+            restore.pages = self._l1_path(transfer.nodes[0].parent) + cast(list[DevicePage], transfer.dst)
         return True
+
+    @staticmethod
+    def _l1_path(node: Node | None) -> list[DevicePage]:
+        """The L1 pages of the root..``node`` path, in token order (all L1-resident)."""
+        runs: list[Sequence[int]] = []
+        while node is not None and node.parent is not None:
+            pages = node.pages[Tier.L1]
+            assert pages is not None  # the H2D's destination parent is pinned in L1
+            runs.append(pages)
+            node = node.parent
+        return cast(list[DevicePage], [p for run in reversed(runs) for p in run])
 
     def _ensure_free(self, tier: Tier, n: int) -> bool:
         """Evict in ``tier`` until ``n`` pages are free. Under write_back, an L1 victim

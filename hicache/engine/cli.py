@@ -60,6 +60,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     )
     h.add_argument("--hicache-verify-pages", action="store_true", help="digest-check every moved page (slow)")
     h.add_argument("--disable-hicache-prefetch", action="store_true", help="blocking restores (no overlap loop)")
+    h.add_argument(
+        "--hicache-layered-restore",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="start an L2 restore's prefill at once, each layer waiting only for its own pages to land; "
+        "auto: on with CUDA and cuda-python",
+    )
     d = CostPriors()
     h.add_argument("--hicache-prior-recompute-us", type=float, default=d.recompute_s_per_token * 1e6)
     h.add_argument("--hicache-prior-host-gib-s", type=float, default=d.host_gib_s)
@@ -109,6 +116,7 @@ def engine_from_args(args: argparse.Namespace, net: torch.nn.Module | None = Non
         write_policy=args.hicache_write_policy,
         transfer_backend=args.hicache_transfer_backend,
         prefetch=not args.disable_hicache_prefetch,
+        layered_restore={"auto": None, "on": True, "off": False}[args.hicache_layered_restore],
         verify_pages=args.hicache_verify_pages,
         priors=CostPriors(
             recompute_s_per_token=args.hicache_prior_recompute_us * 1e-6,

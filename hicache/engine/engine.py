@@ -7,7 +7,11 @@ One scheduler thread owns everything. Each :meth:`Engine.step`:
    requests ready to prefill (a failed restore means the request recomputes);
 2. admits waiting requests up to ``max_batch``: match, pin the L1 hit, ask the cost model
    (``plan``); a restore from L2/L3 is *started* and the request parks until it is published
-   (with ``prefetch=False`` the restore blocks here instead, the seed's baseline);
+   (with ``prefetch=False`` the restore blocks here instead, the seed's baseline). A
+   *layered* restore (``layered_restore``, on by default on CUDA with cuda-python) also
+   launches the request's prefill at once, on its own stream: each layer waits only for
+   its own pages to land, so the forward runs beside the copy. Its logits are held until
+   the restore is published (a failed restore discards them and the request recomputes);
 3. runs one forward: the oldest ready prefill if any (prefill first keeps TTFT low), else one
    decode batch of every running request; after ``prefills_before_decode`` prefills in a
    row a waiting decode batch goes first (a stream of arrivals must not starve decode).
@@ -76,6 +80,10 @@ class _Seq:
     restore_started: float = 0.0
     restore_wait: float = 0.0
     prefill_s: float = 0.0
+    own: list[DevicePage] = field(default_factory=list)  # private pages allocated ahead (layered restore)
+    held: torch.Tensor | None = None  # logits of a layered prefill, valid once its restore is published
+    held_cached: int = 0  # the prompt tokens that prefill read from the restored prefix
+    held_prefix: list[DevicePage] = field(default_factory=list)  # the pages it read them from
 
 
 @dataclass
@@ -93,6 +101,8 @@ class EngineStats:
     decode_s_while_restoring: float = 0.0
     restores_started: int = 0
     restores_failed: int = 0
+    layered_prefills: int = 0  # launched beside their restore's copy
+    layered_used: int = 0  # their logits served the request (the rest recomputed)
     idle_polls: int = 0
     cache_s: float = 0.0  # in hicache calls (bookkeeping; excludes blocking restore waits)
 
@@ -122,6 +132,7 @@ class Engine:
         attention: AttentionImpl = "auto",
         cudnn: CudnnUse = "off",
         verify_pages: bool = False,
+        layered_restore: bool | None = None,
         seed: int = 0,
         net: torch.nn.Module | None = None,
     ) -> None:
@@ -152,7 +163,20 @@ class Engine:
                 verify_pages=verify_pages,
             )
         )
-        self.runner = ModelRunner(self.net, self.cache.l1, cuda_graphs=cuda_graphs, attention=attention, cudnn=cudnn)
+        groups = getattr(self.cache.device, "layer_groups", None)
+        self.runner = ModelRunner(
+            self.net,
+            self.cache.l1,
+            cuda_graphs=cuda_graphs,
+            attention=attention,
+            cudnn=cudnn,
+            layer_groups=groups() if groups is not None else None,
+        )
+        if layered_restore and enable_hicache and not prefetch:
+            raise ConfigError("layered_restore needs prefetch (a blocking restore has no forward to overlap)")
+        if layered_restore is None:  # auto: where the copy can signal layers as they land
+            layered_restore = bool(getattr(self.cache.device, "layered", False))
+        self.layered = layered_restore and enable_hicache and prefetch  # without hicache nothing restores
         self.page_size = page_size
         self.cuda = torch.device(device).type == "cuda"
         self.stats = EngineStats()
@@ -189,6 +213,8 @@ class Engine:
             if seq is None:
                 return False
             self._waiting.remove(seq)
+        if seq.held is not None:
+            self.runner.join_layered()  # its pages go back now: later users wait for its writes
         if seq.req is not None:
             self.cache.release(seq.req)
         self.stats.aborted += 1
@@ -224,7 +250,12 @@ class Engine:
                 self._fail(ready, f"no room in L1 for a prompt of {len(ready.prompt)} tokens")
             elif self._active:
                 self.stats.idle_polls += 1
-                time.sleep(50e-6)  # only restores in flight: let the copy engine / disk work
+                if all(s.held is not None for s in self._active.values()):
+                    # NOTE: only layered restores in flight, each with its forward queued
+                    # behind its layers: wait for the GPU instead of polling every 50 us.
+                    self.runner.wait_layered()
+                else:
+                    time.sleep(50e-6)  # only restores in flight: let the copy engine / disk work
         done, self._finished = self._finished, []
         return done
 
@@ -264,12 +295,34 @@ class Engine:
                 self._restore_failed(seq)
             return
         t0 = seq.restore_started = time.perf_counter()
-        seq.restore = cache.start_restore(seq.req, plan)
+        layered = self.layered and plan.tier is Tier.L2 and not self.runner.layered_busy
+        events = self.runner.layer_events if layered else None
+        seq.restore = cache.start_restore(seq.req, plan, layer_events=events)
         self.stats.cache_s += time.perf_counter() - t0
         if seq.restore is None:
             self._restore_failed(seq)
-        else:
-            seq.state = "restoring"
+            return
+        seq.state = "restoring"
+        if seq.restore.layered:
+            self._launch_layered(seq)
+
+    def _launch_layered(self, seq: _Seq) -> None:
+        """Allocate ``seq``'s own pages and launch its prefill over the prefix still landing."""
+        restore, req, ps = seq.restore, seq.req, self.page_size
+        assert restore is not None and restore.pages is not None and req is not None
+        prompt = seq.prompt
+        cached = min(len(restore.pages) * ps, (len(prompt) - 1) // ps * ps)
+        need = -(-(len(prompt) + seq.max_new) // ps) - cached // ps
+        t0 = time.perf_counter()
+        own = self.cache.allocate(req, need)
+        self.stats.cache_s += time.perf_counter() - t0
+        if own is None:
+            return  # no room now: the request prefills after its restore, as usual
+        seq.own = own
+        seq.held_cached = cached
+        seq.held_prefix = restore.pages[: cached // ps]
+        seq.held = self.runner.forward([(prompt[cached:], seq.held_prefix + own, cached)], layered=True)[0]
+        self.stats.layered_prefills += 1
 
     def _restored(self, restore: PendingRestore) -> None:
         seq = self._active.get(self._by_request(restore.request))
@@ -279,6 +332,24 @@ class Engine:
         seq.restore_wait = time.perf_counter() - seq.restore_started
         if restore.stage != "done":
             self._restore_failed(seq)
+        if seq.held is None:
+            return
+        self.runner.join_layered()  # its logits and pages are read (or reused) on this stream now
+        held, seq.held = seq.held, None
+        req, cached = seq.req, seq.held_cached
+        assert req is not None
+        t0 = time.perf_counter()
+        ps = self.page_size
+        # Serve its logits only where the normal prefill would read exactly that prefix.
+        same = (
+            restore.stage == "done"
+            and min(req.cached_len, (len(seq.prompt) - 1) // ps * ps) == cached
+            and self.cache.prefix_pages(req)[: cached // ps] == seq.held_prefix
+        )
+        self.stats.cache_s += time.perf_counter() - t0
+        if same:  # the prefix it read is the one published: serve its logits
+            self.stats.layered_used += 1
+            self._first_token(seq, held, cached, seq.own, time.perf_counter(), observe=False)
 
     def _by_request(self, req: Request) -> int:
         return next((s.id for s in self._active.values() if s.req is req), -1)
@@ -299,17 +370,30 @@ class Engine:
         cached = min(req.cached_len, (len(prompt) - 1) // ps * ps)
         need = -(-(len(prompt) + seq.max_new) // ps) - cached // ps
         t0 = time.perf_counter()
-        own = cache.allocate(req, need)
-        if own is None:
+        # Pages allocated for a layered prefill whose logits were not used serve this one.
+        more = cache.allocate(req, need - len(seq.own)) if need > len(seq.own) else []
+        if more is None:
             self.stats.cache_s += time.perf_counter() - t0
             return False
+        own = (seq.own + more)[:need]
+        seq.own = own
         pages = cache.prefix_pages(req)[: cached // ps] + own
         self.stats.cache_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         logits = self.runner.forward([(prompt[cached:], pages, cached)])[0]
+        self._first_token(seq, logits, cached, own, t0, observe=True)
+        return True
+
+    def _first_token(
+        self, seq: _Seq, logits: torch.Tensor, cached: int, own: list[DevicePage], t0: float, *, observe: bool
+    ) -> None:
+        """Take ``seq``'s first token from its prefill ``logits`` (over ``cached`` prompt
+        tokens, the rest in ``own``), hand its pages to the tree, start decoding."""
+        cache, ps, req, prompt = self.cache, self.page_size, seq.req, seq.prompt
+        assert req is not None
         token = int(logits.argmax())  # waits for the GPU
         now = time.perf_counter()
-        if not self.runner.captured_last:
+        if observe and not self.runner.captured_last:
             # NOTE: a forward that captured a CUDA graph is one-time setup, not a sample:
             # one such (22 tokens, ~0.5 s) in the recompute window fitted a slope of 0 on
             # the H200, and the cost policy recomputed for the next 32 requests.
@@ -332,7 +416,6 @@ class Engine:
         seq.state = "decoding"
         if len(seq.out) >= seq.max_new:
             self._complete(seq)
-        return True
 
     def _decode(self, seqs: list[_Seq]) -> None:
         restoring = any(s.state == "restoring" for s in self._active.values())

@@ -80,6 +80,7 @@ class PagedBatch:
     attention: AttentionImpl = "gqa"  # how to attend over the context (see ModelRunner); never "auto"
     ctx: torch.Tensor | None = None  # int64 [B], for "paged"
     folded_mask: torch.Tensor | None = None  # ``mask`` repeated per query group, made once per forward
+    layer_ready: Sequence[Any] | None = None  # CUDA events: layer l reads the pool after layer_ready[l]
 
     def __post_init__(self) -> None:
         if self.attention not in ("paged", "gqa", "fold"):
@@ -106,6 +107,8 @@ def paged_attention(
         raise ConfigError("paged_attention needs the hicache_batch keyword (use hicache.engine.ModelRunner)")
     layer_idx: Any = module.layer_idx
     layer = int(layer_idx)
+    if batch.layer_ready is not None:  # a restore still landing: this layer's pages first
+        batch.layer_ready[layer].wait(torch.cuda.current_stream())
     buf = batch.pool.buffer
     heads, dim = buf.shape[-2], buf.shape[-1]
     k_pool = buf[0, layer].view(-1, heads, dim)
@@ -223,6 +226,17 @@ class ModelRunner:
     the changing shapes an engine sends (in the GPU soak, ~850 MiB in 5 minutes;
     docs/RELIABILITY.md). ``"graphs"`` allows it only while capturing CUDA graphs
     (bucketed shapes, at most ``max_graphs``), ``"on"`` everywhere; both are for measuring.
+
+    Layered forwards (``forward(..., layered=True)``) serve a request whose prefix is still
+    being restored: each layer's attention first waits on ``layer_events[l]``, which the
+    transfer records once layer ``l`` has landed (``TransferEngine.h2d(layer_events=...)``),
+    so the forward runs beside the copy instead of after it. On CUDA they run on their own
+    stream (a decode batch on the caller's stream is not queued behind the copy) with their
+    own graphs and graph memory pool; :meth:`join_layered` makes the caller's stream wait for
+    them, and :attr:`layered_busy` says one is still running (the events are shared: start
+    the next layered restore only when it is not). On CPU the events are empty and the
+    forward is an ordinary one. ``layer_groups`` (the transfer's ``layer_groups()``) lets the
+    layers that land together share one event (fewer records on the copy's path).
     """
 
     def __init__(
@@ -236,6 +250,7 @@ class ModelRunner:
         max_graphs: int = 64,
         attention: AttentionImpl = "auto",
         cudnn: CudnnUse = "off",
+        layer_groups: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         if attention not in ("auto", "paged", "gqa", "fold"):
             raise ConfigError(f"attention must be 'auto', 'paged', 'gqa' or 'fold', got {attention!r}")
@@ -251,8 +266,9 @@ class ModelRunner:
         self.graph_tokens = graph_tokens
         self.graph_bucket = graph_bucket
         self.max_graphs = max_graphs
-        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._graphs: dict[tuple[int, int, int, bool], _Graph] = {}
         self._mempool: Any = None
+        self._layered_mempool: Any = None
         self.graph_replays = 0
         self.eager_forwards = 0
         self.captured_last = False  # the last forward captured a CUDA graph (one-time cost)
@@ -263,6 +279,37 @@ class ModelRunner:
         cuda = pool.device.type == "cuda"
         self._backends = _NO_CUDNN if cuda and cudnn != "on" else None  # eager forwards
         self._capture_backends = _ALL_BACKENDS if cuda and cudnn == "graphs" else None
+        self.layer_events: tuple[Any, ...] = ()
+        self._side: Any = None
+        self._layered_done: Any = None
+        layers = pool.geometry.num_layers
+        groups = layer_groups or [(x, x + 1) for x in range(layers)]
+        if [x for lo, hi in groups for x in range(lo, hi)] != list(range(layers)):
+            raise ConfigError(f"layer_groups {list(groups)} do not cover layers 0..{layers - 1} in order")
+        if cuda:
+            make: Any = torch.cuda.Event
+            shared = [make(external=True) for _ in groups]  # a group's layers land together
+            self.layer_events = tuple(e for e, (lo, hi) in zip(shared, groups, strict=True) for _ in range(lo, hi))
+            for event in shared:
+                event.record()  # a wait on a never-recorded event is not allowed in a capture
+            self._side = torch.cuda.Stream(device=pool.device)  # type: ignore[no-untyped-call]
+            self._layered_done = make()
+
+    @property
+    def layered_busy(self) -> bool:
+        """A layered forward is still running on the device."""
+        return self._layered_done is not None and not self._layered_done.query()
+
+    def wait_layered(self) -> None:
+        """Block the host until the layered forwards launched so far have finished."""
+        if self._layered_done is not None:
+            self._layered_done.synchronize()
+
+    def join_layered(self) -> None:
+        """Order the caller's stream after every layered forward launched so far (before it
+        reads their outputs or pages, or hands their pages to someone else)."""
+        if self._side is not None:
+            torch.cuda.current_stream(self.pool.device).wait_stream(self._side)
 
     @property
     def graphs_captured(self) -> int:
@@ -281,14 +328,24 @@ class ModelRunner:
         return flat[start - first * ps : end - first * ps]
 
     @torch.inference_mode()
-    def forward(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]]) -> torch.Tensor:
+    def forward(
+        self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], *, layered: bool = False
+    ) -> torch.Tensor:
         """``seqs``: ``(new_tokens, pages, cached_len)`` each; all in one batch must have the
         same number of new tokens (prefill batches, or decode batches of one token each).
-        ``pages`` cover ``[0, cached_len + len(new_tokens))``. Returns ``[B, vocab]``."""
+        ``pages`` cover ``[0, cached_len + len(new_tokens))``. Returns ``[B, vocab]``.
+        ``layered``: the cached pages are still landing (see the class docstring); the
+        logits are then not ready until :meth:`join_layered`."""
         with contextlib.nullcontext() if self._backends is None else sdpa_kernel(self._backends):
-            return self._forward(seqs)
+            if not layered or self._side is None:
+                return self._forward(seqs, False)
+            self._side.wait_stream(torch.cuda.current_stream(self.pool.device))  # pages' previous users
+            with torch.cuda.stream(self._side):
+                logits = self._forward(seqs, True)
+                self._layered_done.record()
+            return logits
 
-    def _forward(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]]) -> torch.Tensor:
+    def _forward(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], layered: bool) -> torch.Tensor:
         if not seqs:
             raise ConfigError("forward needs at least one sequence")
         self.captured_last = False
@@ -306,7 +363,7 @@ class ModelRunner:
             return _logits(self.net, ids_d, pos_d, PagedBatch(self.pool, write_d, None, None))
         graph = None
         if self.graphs_enabled and b * q <= self.graph_tokens:
-            graph = self._graph(b, q, -(-max(ctx) // self.graph_bucket) * self.graph_bucket)
+            graph = self._graph(b, q, -(-max(ctx) // self.graph_bucket) * self.graph_bucket, layered)
         t = graph.t if graph is not None else max(ctx)
         read = torch.empty(b, t, dtype=torch.int64)
         for i, ((_, pages, _), c) in enumerate(zip(seqs, ctx, strict=True)):
@@ -328,11 +385,17 @@ class ModelRunner:
                 self._graphs.clear()
         self.eager_forwards += 1
         ids_d, pos_d, write_d, read_d, ctx_d = self._upload(None, ids, pos, write, read, ctx_t)
-        batch = self.batch(write_d, read_d, ctx_d, unpadded_decode=q == 1 and min(ctx) == t)
+        batch = self.batch(write_d, read_d, ctx_d, unpadded_decode=q == 1 and min(ctx) == t, layered=layered)
         return _logits(self.net, ids_d, pos_d, batch)
 
     def batch(
-        self, write: torch.Tensor, read: torch.Tensor, ctx: torch.Tensor, *, unpadded_decode: bool = False
+        self,
+        write: torch.Tensor,
+        read: torch.Tensor,
+        ctx: torch.Tensor,
+        *,
+        unpadded_decode: bool = False,
+        layered: bool = False,
     ) -> PagedBatch:
         """Metadata of a forward over cached context (device tensors). The mask is made only
         for the SDPA paths, and not for one-token decode without padding (a captured graph
@@ -342,7 +405,8 @@ class ModelRunner:
             mask = None
         else:
             mask = visible(ctx, q, read.shape[1])
-        return PagedBatch(self.pool, write, read, mask, self.attention, ctx)
+        ready = self.layer_events if layered and self.layer_events else None
+        return PagedBatch(self.pool, write, read, mask, self.attention, ctx, layer_ready=ready)
 
     def _upload(self, dst: torch.Tensor | None, *parts: torch.Tensor) -> list[torch.Tensor]:
         """Copy ``parts`` (CPU int64) to the device in one transfer through a reused pinned
@@ -369,13 +433,17 @@ class ModelRunner:
             at += p.numel()
         return out
 
-    def _graph(self, b: int, q: int, t: int) -> _Graph | None:
-        key = (b, q, t)
+    def _graph(self, b: int, q: int, t: int, layered: bool) -> _Graph | None:
+        key = (b, q, t, layered)
         graph = self._graphs.get(key)
         if graph is None and len(self._graphs) < self.max_graphs:
-            if self._mempool is None:
+            # NOTE: layered graphs replay on their own stream, concurrently with the others:
+            # they must not share intermediate buffers (a graph pool assumes one at a time).
+            if layered and self._layered_mempool is None:
+                self._layered_mempool = torch.cuda.graph_pool_handle()
+            elif not layered and self._mempool is None:
                 self._mempool = torch.cuda.graph_pool_handle()
-            graph = self._graphs[key] = _Graph(self, b, q, t)
+            graph = self._graphs[key] = _Graph(self, b, q, t, layered)
         return graph
 
 
@@ -391,8 +459,9 @@ class _Graph:
     context lengths). Captured on first use with that call's real inputs: the warm-up writes
     the same K/V the replay writes, so no page is disturbed."""
 
-    def __init__(self, runner: ModelRunner, b: int, q: int, t: int) -> None:
-        self.net, self.q, self.t, self.mempool = runner.net, q, t, runner._mempool
+    def __init__(self, runner: ModelRunner, b: int, q: int, t: int, layered: bool = False) -> None:
+        self.net, self.q, self.t, self.layered = runner.net, q, t, layered
+        self.mempool = runner._layered_mempool if layered else runner._mempool
         self.runner, self.pool, self.backends = runner, runner.pool, runner._capture_backends
         self.flat = torch.zeros(3 * b * q + b * t + b, dtype=torch.int64, device=self.pool.device)
         sizes = [b * q, b * q, b * q, b * t, b]
@@ -403,7 +472,8 @@ class _Graph:
         self.out: torch.Tensor | None = None
 
     def _body(self) -> torch.Tensor:
-        return _logits(self.net, self.ids, self.pos, self.runner.batch(self.write, self.read, self.ctx))
+        batch = self.runner.batch(self.write, self.read, self.ctx, layered=self.layered)
+        return _logits(self.net, self.ids, self.pos, batch)
 
     def run(self) -> torch.Tensor:
         """Replay (capturing first if needed) on the inputs already in ``flat``."""

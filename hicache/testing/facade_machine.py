@@ -79,8 +79,8 @@ class ScheduledMover:
     def d2h(self, src: Sequence[int], dst: Sequence[int]) -> ScheduledTicket:
         return self._submit("d2h", src, dst)
 
-    def h2d(self, src: Sequence[int], dst: Sequence[int]) -> ScheduledTicket:
-        return self._submit("h2d", src, dst)
+    def h2d(self, src: Sequence[int], dst: Sequence[int], layer_events: Sequence[Any] | None = None) -> ScheduledTicket:
+        return self._submit("h2d", src, dst)  # CPU: no events to record
 
     def write(self, host_pages: Sequence[int], slots: Sequence[int]) -> ScheduledTicket:
         return self._submit("write", host_pages, slots)

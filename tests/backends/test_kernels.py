@@ -57,7 +57,10 @@ def test_launchers_refuse_bad_arguments() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layers", [(0, 3), (1, 2), (2, 3)])
-def test_layer_ranged_load_matches_torch_and_only_its_layers(dtype: torch.dtype, layers: tuple[int, int]) -> None:
+@pytest.mark.parametrize("programs", [None, 3])
+def test_layer_ranged_load_matches_torch_and_only_its_layers(
+    dtype: torch.dtype, layers: tuple[int, int], programs: int | None
+) -> None:
     """L2 slabs [P2, 2*L, E] (pinned host memory on CUDA, read in place) into L1 slabs
     [2*L, P1, E]: the K and V slabs of the given layers of the given pages, nothing else."""
     gen = torch.Generator().manual_seed(layers[0] * 10 + layers[1])
@@ -70,7 +73,7 @@ def test_layer_ranged_load_matches_torch_and_only_its_layers(dtype: torch.dtype,
     base = rand((2 * n_layers, l1_pages, elems), dtype, gen)
     a, b = base.clone(), base.clone()
     kernels.load_layers_torch(src, src_ids, a, dst_ids, layers)
-    kernels.load_layers_triton(src, src_ids, b, dst_ids, layers)
+    kernels.load_layers_triton(src, src_ids, b, dst_ids, layers, programs=programs)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(a, b)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -180,3 +181,21 @@ def test_a_directions_first_enqueue_is_one_time_setup() -> None:
     d2h = eng.d2h([0], [7])  # its own first
     d2h.wait()
     assert d2h.timings.setup_s == d2h.timings.enqueue_s
+
+
+def test_layer_groups_are_small_at_both_ends() -> None:
+    g = KVGeometry(36, 2, 8, 4, torch.float32)
+    l1, l2 = DevicePool.allocate(g, 8, "cpu"), HostPool(g, 8)
+    groups = TransferEngine(l1, l2, "torch", layer_group=1, max_layer_group=8).layer_groups()
+    assert [hi - lo for lo, hi in groups] == [1, 2, 4, 8, 6, 8, 4, 2, 1]
+    assert groups[0][0] == 0 and groups[-1][1] == 36 and all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+    assert TransferEngine(l1, l2, "torch", layer_group=4, max_layer_group=4).layer_groups()[-2:] == [(28, 32), (32, 36)]
+    with pytest.raises(ConfigError, match="layer_group"):
+        TransferEngine(l1, l2, "torch", layer_group=4, max_layer_group=2)
+    # On CPU the H2D cannot order by layer: events are accepted (the count is checked), and
+    # the pages land as usual.
+    l2.slabs.normal_()
+    assert TransferEngine(l1, l2, "torch").h2d([1, 2], [3, 4], layer_events=()).wait()
+    assert torch.equal(l1.slabs[:, [3, 4]].transpose(0, 1), l2.slabs[[1, 2]])
+    with pytest.raises(ConfigError, match="events for 36 layers"):
+        TransferEngine(l1, l2, "torch").h2d([1], [3], layer_events=[object()])

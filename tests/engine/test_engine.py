@@ -85,6 +85,66 @@ def test_restored_requests_give_the_l1_hit_logits_exactly() -> None:
     e.close()
 
 
+def test_layered_restore_serves_l1_hit_logits_and_a_torn_restore_recomputes() -> None:
+    """A layered restore launches the prefill beside the copy and serves its logits once
+    the restore is published: exactly the L1 hit's. A restore that fails after leaving
+    garbage in its pages discards those logits: the request recomputes, equal to a cold
+    run. Nothing leaks either way."""
+    e = engine(layered_restore=True)
+    prompt = [random.Random(4).randrange(512) for _ in range(50)]
+    cold = e.generate(prompt, max_new_tokens=4)
+    e.cache.drain()
+    l1 = e.generate(prompt, max_new_tokens=4)
+    e.cache.core.evict(Tier.L1, 10**6)
+    l2 = e.generate(prompt, max_new_tokens=4)
+    assert (l2.restored_from, l2.cached_tokens) == ("L2", 48)
+    assert e.stats.layered_prefills == 1 and e.stats.layered_used == 1
+    assert l2.first_logits is not None and l1.first_logits is not None
+    assert torch.equal(l2.first_logits, l1.first_logits) and l2.tokens == l1.tokens
+
+    h2d = e.cache.device.h2d
+
+    def torn(src: list[int], dst: list[int], layer_events: object = None) -> object:
+        ticket = h2d(src, dst, layer_events=layer_events)  # type: ignore[arg-type]
+        e.cache.l1.slabs[:, dst] = torch.randn(e.cache.l1.slabs[:, dst].shape)  # garbage landed
+        return ticket
+
+    e.cache.device.h2d = torn  # type: ignore[method-assign, assignment]
+    e.cache.core.evict(Tier.L1, 10**6)
+    e.cache.faults.add("fail", op="read")
+    again = e.generate(prompt, max_new_tokens=4)
+    assert again.restore_failed and e.stats.layered_prefills == 2 and e.stats.layered_used == 1
+    assert again.first_logits is not None and cold.first_logits is not None
+    torch.testing.assert_close(again.first_logits, cold.first_logits, rtol=1e-5, atol=1e-5)
+    assert again.tokens == cold.tokens
+    st = e.cache.status()
+    assert st.requests == 0 and st.core.leases == 0 and st.core.tiers[0].private == 0
+    e.cache.check_integrity()
+    e.close()
+
+
+def test_abort_during_a_layered_restore_leaks_nothing() -> None:
+    e = engine(layered_restore=True)
+    prompt = [random.Random(6).randrange(512) for _ in range(40)]
+    e.generate(prompt)
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    rid = e.submit([*prompt, 5], max_new_tokens=3)
+    e.step()  # admitted: restore started, its prefill launched, not yet published
+    assert e.status()["active"] == {"waiting": 0, "restoring": 1, "ready": 0, "decoding": 0}
+    assert e.stats.layered_prefills == 1
+    assert e.abort(rid)
+    e.cache.drain()
+    st = e.cache.status()
+    assert st.requests == 0 and st.core.leases == 0 and st.pending_restores == 0
+    assert st.core.tiers[0].private == 0 and st.core.tiers[0].in_flight == 0
+    assert e.cache.core.match(prompt).lengths[0] == 40  # the restore landed, with the tree
+    e.cache.check_integrity()
+    with pytest.raises(ConfigError, match="prefetch"):
+        engine(layered_restore=True, prefetch=False)
+    e.close()
+
+
 def test_a_padded_decode_batch_gives_each_sequence_its_own_logits() -> None:
     """One decode batch over contexts of different lengths (padded, masked) gives each
     sequence the logits of its own one-sequence forward."""
@@ -258,6 +318,15 @@ def test_model_runner_rejects_unknown_attention_options() -> None:
         ModelRunner(net, pool, attention="flash")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="'sometimes'"):
         ModelRunner(net, pool, cudnn="sometimes")  # type: ignore[arg-type]
+
+
+def test_layer_groups_must_cover_every_layer_in_order() -> None:
+    net = build_model("tiny")  # 2 layers
+    pool = DevicePool.allocate(kv_geometry(net, 4), 8, "cpu")
+    ModelRunner(net, pool, layer_groups=[(0, 2)])
+    for bad in ([(0, 1)], [(1, 2), (0, 1)], [(0, 1), (0, 2)]):
+        with pytest.raises(ConfigError, match="do not cover"):
+            ModelRunner(net, pool, layer_groups=bad)
 
 
 def test_a_paged_batch_needs_context_lengths() -> None:

@@ -1,0 +1,56 @@
+"""Strided host -> device copies on the copy engine (``cudaMemcpy2DAsync``).
+
+A layer of a page-major L2 run is ``n`` rows of one slab each, a whole page apart: torch's
+``copy_`` of such a view first makes it contiguous on the host (a CPU copy into pageable
+memory, then a synchronous upload). ``cudaMemcpy2DAsync`` hands the copy engine the pitch
+instead, so each layer of a run is one DMA that leaves the SMs to the forward it overlaps.
+The runtime is reached through ``cuda.bindings`` (NVIDIA's CUDA Python), an optional
+dependency: :data:`AVAILABLE` says whether it is installed and usable here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hicache.errors import ConfigError
+
+try:  # optional: the layer-pipelined restore needs it, nothing else does
+    from cuda.bindings import runtime as _rt
+
+    _H2D: Any = _rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+    _OK: Any = _rt.cudaError_t.cudaSuccess
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - machines without cuda-python
+    _rt = None
+    AVAILABLE = False
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int, int]:
+    """(rows, bytes per row, pitch in bytes) of a 2-D view whose rows are contiguous."""
+    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ConfigError(f"a row copy needs a 2-D view with contiguous rows, got {tuple(t.shape)} {t.stride()}")
+    size = t.element_size()
+    return t.shape[0], t.shape[1] * size, t.stride(0) * size
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+    """``dst.copy_(src)`` for 2-D views with contiguous rows and any row pitch: ``src`` in
+    pinned host memory, ``dst`` on the device; one DMA queued on ``stream``
+    (a ``torch.cuda.Stream``). Nothing waits for it: order later work after ``stream``."""
+    if not AVAILABLE:
+        raise ConfigError("row copies need cuda-python (pip install cuda-bindings)")
+    if not dst.is_cuda or src.is_cuda or not src.is_pinned():
+        raise ConfigError("copy_rows copies pinned host memory to the device")
+    if dst.dtype != src.dtype or dst.shape != src.shape:
+        raise ConfigError(f"copy_rows: {src.dtype} {tuple(src.shape)} into {dst.dtype} {tuple(dst.shape)}")
+    rows, width, spitch = _rows(src)
+    _, _, dpitch = _rows(dst)
+    if rows == 0 or width == 0:
+        return
+    (err,) = _rt.cudaMemcpy2DAsync(
+        dst.data_ptr(), max(dpitch, width), src.data_ptr(), max(spitch, width), width, rows, _H2D, stream.cuda_stream
+    )
+    if err != _OK:
+        raise RuntimeError(f"cudaMemcpy2DAsync failed: {err!r}")

@@ -1,0 +1,122 @@
+"""The layer-pipelined restore on CUDA: its mechanism (a CUDA graph waits on external events
+recorded outside it, on another stream, after capture; strided DMAs), the layered H2D, and
+the engine's layered prefill against the L1 hit (bit-identical)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.backends import dma
+from hicache.backends.pools import DevicePool, HostPool
+from hicache.backends.transfer import TransferBackend, TransferEngine
+from hicache.core.geometry import KVGeometry
+from hicache.engine import Engine
+from hicache.errors import ConfigError
+from hicache.spec.model import Tier
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU time on the producer stream
+
+
+def test_graph_waits_on_external_event_recorded_after_capture() -> None:
+    x = torch.zeros(1024, device="cuda")
+    out = torch.zeros(1024, device="cuda")
+    ready = torch.cuda.Event(external=True)  # type: ignore[no-untyped-call]
+    producer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    ready.record(producer)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ready.wait(torch.cuda.current_stream())
+        out.copy_(x * 2)
+    torch.cuda.synchronize()
+    for value in (3.0, 5.0):  # replayed twice: each replay waits for that round's record
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+            x.fill_(value)
+            ready.record(producer)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.full_like(out, 2 * value))
+
+
+@pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
+def test_copy_rows_copies_strided_host_rows() -> None:
+    src = torch.randn(7, 6, 33).pin_memory()
+    dst = torch.zeros(7, 6, 33, device="cuda")
+    stream = torch.cuda.current_stream()
+    dma.copy_rows(dst[:, 2:4].flatten(1), src[:, 2:4].flatten(1), stream)
+    torch.cuda.synchronize()
+    want = torch.zeros(7, 6, 33)
+    want[:, 2:4] = src[:, 2:4]
+    assert torch.equal(dst.cpu(), want)
+
+
+@pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("l2_pages", [list(range(20, 25)), [30, 2, 17, 18, 5]])
+def test_layered_h2d_lands_every_page_and_signals_every_layer(backend: TransferBackend, l2_pages: list[int]) -> None:
+    g = KVGeometry(5, 2, 64, 16, torch.bfloat16)
+    dev = DevicePool.allocate(g, 64, "cuda")
+    host = HostPool(g, 64)
+    host.page_buffer.copy_(torch.randn(host.page_buffer.shape).to(g.dtype))
+    engine = TransferEngine(dev, host, backend, layer_group=2, scatter_programs=3)
+    events: list[Any] = [torch.cuda.Event() for _ in range(g.num_layers)]  # type: ignore[no-untyped-call]
+    l1_pages = [6, 1, 9, 10, 3]
+    engine.h2d(l2_pages, l1_pages, layer_events=events).wait()  # allocations (they synchronize) first
+    with torch.cuda.stream(engine.stream):
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]  # the copy starts late
+    ticket = engine.h2d(l2_pages, l1_pages, layer_events=events)
+    assert not events[0].query()  # recorded behind the copy, not at once
+    assert ticket.wait()
+    assert all(e.query() for e in events)
+    got = dev.slabs.index_select(1, torch.tensor(l1_pages, device="cuda")).transpose(0, 1).cpu()
+    assert torch.equal(got, host.slabs[l2_pages])
+    with pytest.raises(ConfigError, match="events for 5 layers"):
+        engine.h2d([0], [0], layer_events=events[:2])
+
+
+@pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_layered_restore_waits_for_each_layer_and_matches_the_l1_hit(graphs: bool) -> None:
+    """The copy is held back ~50 ms and L1 is filled with garbage first: a forward that
+    read a layer before it landed would give other logits."""
+    e = Engine(
+        "tiny",
+        device="cuda",
+        page_size=16,
+        num_pages=256,
+        enable_hicache=True,
+        l2_pages=256,
+        policy="always",
+        cuda_graphs=graphs,
+    )
+    rng = random.Random(0)
+    prompt = [rng.randrange(512) for _ in range(300)]
+    e.generate(prompt)
+    e.cache.drain()
+    hit = e.generate([*prompt, 5, 6], max_new_tokens=4)
+    h2d = e.cache.device.h2d
+
+    def late(src: list[int], dst: list[int], layer_events: object = None) -> object:
+        with torch.cuda.stream(e.cache.device.stream):  # type: ignore[attr-defined]
+            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        return h2d(src, dst, layer_events=layer_events)  # type: ignore[arg-type]
+
+    e.cache.device.h2d = late  # type: ignore[method-assign, assignment]
+    for round in (1, 2):  # the second replays the layered graph captured by the first
+        e.cache.drain()
+        e.cache.core.evict(Tier.L1, 10**6)
+        e.cache.l1.buffer.normal_()
+        out = e.generate([*prompt, 5, 6], max_new_tokens=4)
+        assert out.restored_from == "L2" and e.stats.layered_used == round
+        assert out.first_logits is not None and hit.first_logits is not None
+        assert torch.equal(out.first_logits, hit.first_logits) and out.tokens == hit.tokens
+    e.cache.check_integrity()
+    e.close()
