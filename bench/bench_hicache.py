@@ -104,6 +104,8 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
             if s.count
         },
         "fallbacks": m.fallbacks,
+        "layered_restore": engine.layered,
+        "layered_prefills_used": engine.stats.layered_used,
         "graph_replays": engine.runner.graph_replays,
         "outputs": outputs,
         **check.to_dict(),
@@ -150,7 +152,11 @@ def main(argv: list[str] | None = None) -> None:
         "attention_cudnn": args.attention_cudnn,
     }
     stem = write_results(args.out, f"bench_hicache-{args.model}", args.device, meta, rows, args.tag)
-    print(f"\nTTFT by tier, {args.model} ({dtype}), {device}, {date.today()}; median of {args.iterations}")
+    layered = any(r["layered_restore"] for r in rows)
+    print(
+        f"\nTTFT by tier, {args.model} ({dtype}), {device}, {date.today()}; median of {args.iterations}; "
+        f"layered restore {'on' if layered else 'off'}"
+    )
     print(
         f"{'prefix':>7} {'tier':>5} {'TTFT ms':>9} {'speed-up':>8} {'bookkeep':>8} {'pages ok':>9} "
         f"{'greedy≠':>7} {'wait':>6} {'fwd':>6}  served from / bandwidth GiB/s"

@@ -3,7 +3,7 @@
 #   bash bench/gpu_e2e.sh tests latency8b     (phases run in the order given)
 # Phases: tests, transfer (race demo, transfer and storage benchmarks), latency8b, latency8b-quick,
 # attnprobe (attention backends: memory per shape, speed of a tail call and a decode call), attention8b (ATTN_VARIANTS, default 6 attention variants, ~1.1 min each), latency4b, stress8b, stress4b (STRESS_REPEATS, default 3: ~7.5 min each), soak (SOAK_MINUTES, default 5),
-# fwdprofile (kernels of a restored tail's forward by kind), layerload (layer-by-layer H2D ways), soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
+# layered8b (LAYERED_VARIANTS, default off on: ~1.1 min each), fwdprofile (kernels of a restored tail's forward by kind), layerload (layer-by-layer H2D ways), soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
 # Results go to $OUT (default bench/results).
 set -uo pipefail
 OUT=${OUT:-bench/results}
@@ -40,6 +40,12 @@ for phase in "$@"; do
         (cd bench && python3 bench_hicache.py --model qwen3-8b --prefix-tokens 350 3500 --tiers none l2 \
           --attention "${v%%:*}" --attention-cudnn "${v#*:}" --out "$OUT" --tag "h200-attn-${v%%:*}-${v#*:}" 2>&1 \
           | grep -E "^ +[0-9]+ +(none|l2)")
+      done ;;
+    layered8b)  # layered restore off and on side by side (latency quick rows), ~1.1 min each
+      for v in ${LAYERED_VARIANTS:-off on}; do
+        echo "-- layered restore $v"
+        (cd bench && python3 bench_hicache.py --model qwen3-8b --prefix-tokens 350 3500 --tiers none l2 \
+          --hicache-layered-restore $v --out "$OUT" --tag "h200-layered-$v" 2>&1 | grep -E "^ +[0-9]+ +(none|l2)|Error")
       done ;;
     latency4b) (cd bench && python3 bench_hicache.py --model qwen3-4b --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
     stress8b) (cd bench && python3 bench_hicache_stress.py --model qwen3-8b --disk-dir "$PWD" --repeats "${STRESS_REPEATS:-3}" \

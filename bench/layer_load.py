@@ -10,11 +10,14 @@ same bytes (the DMA engine) for:
 * ``pinned copy``: one ``copy_`` of the bytes (the reference);
 * ``DMA + scatter``: what the transfer engine does today (one DMA of the run, one scatter);
 * ``zero-copy, all layers``: one ``load_layers_triton`` launch;
-* ``zero-copy, per layer``: one launch per layer, as a layer-pipelined restore would issue;
+* ``zero-copy, per layer``: one launch per layer, as a layer-pipelined restore would issue,
+  also with the grid capped at 16 and 32 programs (fewer SMs taken from the forward);
+* ``DMA rows + scatter``: per layer (or pair of layers) two strided DMAs on the copy engine
+  (``dma.copy_rows``: its K and V slabs of every page) and one scatter from the workspace;
 
-then checks every loaded page is bit-identical to its L2 page, and measures how much a
-per-layer zero-copy load on a side stream slows a matmul loop on the main stream (the SMs it
-takes from the forward it would overlap). Needs CUDA.
+then checks every loaded page is bit-identical to its L2 page, and measures how much each
+per-layer way on a side stream slows a matmul loop on the main stream (22 tokens through
+96 MiB weights: memory-bound, like the tail's forward it would overlap). Needs CUDA.
 
     python bench/layer_load.py --pages 219 1024
 """
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from datetime import date
 from functools import partial
 from pathlib import Path
@@ -32,8 +37,9 @@ from typing import Any
 import torch
 from transfer import QWEN3_8B, gpu
 
-from hicache.backends import kernels
+from hicache.backends import dma, kernels
 from hicache.backends.pools import DevicePool, HostPool
+from hicache.backends.transfer import TransferEngine
 
 
 def dma_scatter(host: torch.Tensor, packed: torch.Tensor, dst_ids: torch.Tensor, l1_slabs: torch.Tensor) -> None:
@@ -48,10 +54,100 @@ def zero_copy(
     l1_slabs: torch.Tensor,
     dst_ids: torch.Tensor,
     ranges: list[tuple[int, int]],
+    programs: int | None = None,
 ) -> None:
     """One zero-copy launch per layer range."""
     for r in ranges:
-        kernels.load_layers_triton(l2_slabs, src_ids, l1_slabs, dst_ids, r)
+        kernels.load_layers_triton(l2_slabs, src_ids, l1_slabs, dst_ids, r, programs=programs)
+
+
+def dma_rows(
+    host: torch.Tensor,
+    packed: torch.Tensor,
+    ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    l1_slabs: torch.Tensor,
+    ranges: list[tuple[int, int]],
+) -> None:
+    """Per layer range: two strided DMAs (its K and V slabs of every page), one scatter."""
+    half = host.shape[1] // 2
+    stream = torch.cuda.current_stream()
+    for lo, hi in ranges:
+        for base in (0, half):
+            dma.copy_rows(
+                packed[:, base + lo : base + hi].flatten(1), host[:, base + lo : base + hi].flatten(1), stream
+            )
+        kernels.load_layers_triton(packed, ids, l1_slabs, dst_ids, (lo, hi))
+
+
+def host_ms(fn: Any, reps: int) -> float:
+    """Median host milliseconds to enqueue ``fn`` (the device drained after each)."""
+    samples = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        ticket = fn()
+        samples.append(time.perf_counter() - t0)
+        if hasattr(ticket, "wait"):  # a transfer's ticket: finish it (frees its workspace)
+            ticket.wait()
+        torch.cuda.synchronize()
+    return statistics.median(samples[1:]) * 1e3
+
+
+def enqueue_costs(l1: DevicePool, l2: HostPool, n: int, reps: int) -> dict[str, float]:
+    """Host time to enqueue one layered H2D of ``n`` pages (the request's forward launches
+    only after it), by layer group, and of its parts."""
+    g = l1.geometry
+    layers = g.num_layers
+    events: list[Any] = [torch.cuda.Event() for _ in range(layers)]  # type: ignore[no-untyped-call]
+    src, dst = list(range(n)), list(range(n, 2 * n))
+    out: dict[str, float] = {}
+    for first, most in ((1, 1), (2, 2), (4, 4), (1, 8)):
+        engine = TransferEngine(l1, l2, "triton", layer_group=first, max_layer_group=most)
+        label = f"{first} layer(s) a step" if first == most else f"{first} doubling to {most}"
+        out[f"layered h2d, {label}"] = host_ms(partial(engine.h2d, src, dst, events), reps)
+        out.setdefault("h2d, not layered", host_ms(partial(engine.h2d, src, dst), reps))
+    host = l2.slabs[:n]
+    packed = torch.empty(host.shape, dtype=host.dtype, device="cuda")
+    ids = torch.arange(n, device="cuda")
+    stream = torch.cuda.current_stream()
+
+    def rows() -> None:
+        for x in range(layers):
+            dma.copy_rows(packed[:, x], host[:, x], stream)
+
+    def scatters() -> None:
+        for x in range(0, layers, 2):
+            kernels.load_layers_triton(packed, ids, l1.slabs, ids, (x, x + 2), programs=32)
+
+    out["36 copy_rows"] = host_ms(rows, reps)
+    out["18 load_layers_triton"] = host_ms(scatters, reps)
+    out["36 event records"] = host_ms(lambda: [e.record() for e in events], reps)
+    print(f"\nhost ms to enqueue, {n} pages: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
+    # Does a graph's external event wait see a record made after the graph's launch?
+    x = torch.zeros(1024, device="cuda")
+    y = torch.zeros(1024, device="cuda")
+    ev = torch.cuda.Event(external=True)  # type: ignore[no-untyped-call]
+    ev.record()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ev.wait(torch.cuda.current_stream())
+        y.copy_(x)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    gate = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(gate):
+        torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]
+    torch.cuda.current_stream().wait_stream(gate)  # the graph starts ~25 ms from now
+    graph.replay()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # type: ignore[no-untyped-call]
+        x.fill_(1.0)
+        ev.record()
+    torch.cuda.synchronize()
+    later = bool(y[0].item() == 1.0)
+    print(f"graph event wait node sees a record made after launch (before it ran): {later}")
+    out["wait_node_sees_later_record"] = float(later)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,13 +176,23 @@ def main(argv: list[str] | None = None) -> int:
         packed = torch.empty(host.shape, dtype=host.dtype, device="cuda")
 
         all_layers, each_layer = [(0, layers)], [(x, x + 1) for x in range(layers)]
+        pairs = [(x, x + 2) for x in range(0, layers, 2)]
+        ids = torch.arange(n, device="cuda")
         base = None
-        for way, fn in (
+        ways: list[tuple[str, Any]] = [
             ("pinned copy", partial(packed.copy_, host, non_blocking=True)),
             ("DMA + scatter", partial(dma_scatter, host, packed, dst_ids, l1.slabs)),
             ("zero-copy, all layers", partial(zero_copy, l2.slabs, src_ids, l1.slabs, dst_ids, all_layers)),
             ("zero-copy, per layer", partial(zero_copy, l2.slabs, src_ids, l1.slabs, dst_ids, each_layer)),
-        ):
+            ("zero-copy/layer, 16 prog", partial(zero_copy, l2.slabs, src_ids, l1.slabs, dst_ids, each_layer, 16)),
+            ("zero-copy/layer, 32 prog", partial(zero_copy, l2.slabs, src_ids, l1.slabs, dst_ids, each_layer, 32)),
+        ]
+        if dma.AVAILABLE:
+            ways.append(
+                ("DMA rows/layer + scatter", partial(dma_rows, host, packed, ids, dst_ids, l1.slabs, each_layer))
+            )
+            ways.append(("DMA rows/2 layers + sc.", partial(dma_rows, host, packed, ids, dst_ids, l1.slabs, pairs)))
+        for way, fn in ways:
             l1.slabs.zero_()
             s = gpu(fn, args.reps)
             base = base or s
@@ -104,33 +210,48 @@ def main(argv: list[str] | None = None) -> int:
     n = args.pages[0]
     src_ids = torch.arange(n, device="cuda")
     dst_ids = torch.arange(n, device="cuda")
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    # like a restored tail's forward: 22 tokens through weights streamed from HBM (memory-bound)
+    x = torch.randn(22, 4096, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.randn(4096, 12288, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
 
     def compute() -> None:
-        for _ in range(40):
-            a @ a
+        for i in range(400):
+            x @ weights[i % 4]
 
-    load_each = partial(zero_copy, l2.slabs, src_ids, l1.slabs, dst_ids, [(x, x + 1) for x in range(layers)])
+    each = [(x, x + 1) for x in range(layers)]
+    host = l2.slabs[:n]
+    packed = torch.empty(host.shape, dtype=host.dtype, device="cuda")
+    loads: list[tuple[str, Any]] = [
+        ("zero-copy", partial(zero_copy, l2.slabs, src_ids, l1.slabs, dst_ids, each)),
+        ("zero-copy 16 prog", partial(zero_copy, l2.slabs, src_ids, l1.slabs, dst_ids, each, 16)),
+        ("zero-copy 32 prog", partial(zero_copy, l2.slabs, src_ids, l1.slabs, dst_ids, each, 32)),
+    ]
+    if dma.AVAILABLE:
+        loads.append(("DMA rows + scatter", partial(dma_rows, host, packed, src_ids, dst_ids, l1.slabs, each)))
+    overlap = []
+    alone = gpu(compute, args.reps)
+    print(f"\noverlap, {n} pages loaded per layer on a side stream beside a matmul loop ({alone * 1e3:.2f} ms alone)")
+    for name, load_each in loads:
 
-    def both() -> None:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            load_each()
-        compute()
-        torch.cuda.current_stream().wait_stream(side)
+        def both() -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                load_each()  # noqa: B023 - called before the loop moves on
+            compute()
+            torch.cuda.current_stream().wait_stream(side)
 
-    alone, together, load = gpu(compute, args.reps), gpu(both, args.reps), gpu(load_each, args.reps)
-    print(
-        f"\noverlap ({n} pages, per-layer zero-copy on a side stream): matmul loop {alone * 1e3:.2f} ms alone, "
-        f"load {load * 1e3:.2f} ms alone, both {together * 1e3:.2f} ms "
-        f"({(alone + load - together) / min(alone, load):.0%} of the shorter hidden)"
-    )
+        together, load = gpu(both, args.reps), gpu(load_each, args.reps)
+        hidden = (alone + load - together) / min(alone, load)
+        overlap.append({"way": name, "compute_ms": alone * 1e3, "load_ms": load * 1e3, "both_ms": together * 1e3})
+        print(f"  {name:<20} load {load * 1e3:6.2f} ms alone, both {together * 1e3:6.2f} ms ({hidden:.0%} hidden)")
+    enqueue = enqueue_costs(l1, l2, n, args.reps)
     result = {
         "date": str(date.today()),
         "device": torch.cuda.get_device_name(),
         "rows": rows,
-        "overlap": {"pages": n, "compute_ms": alone * 1e3, "load_ms": load * 1e3, "both_ms": together * 1e3},
+        "overlap": overlap,
+        "enqueue_ms": enqueue,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"layer_load-{date.today()}-h200.json"

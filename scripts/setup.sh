@@ -17,5 +17,9 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   # CPU build from local disk where it is offered; any torch >= 2.4 works.
   .venv/bin/pip install -q "torch==2.13.0" || .venv/bin/pip install -q "torch>=2.4"
 fi
-.venv/bin/pip install -q -e ".[dev]" 2>&1 | grep -v -E "^WARNING: Location" || true
+EXTRAS=dev
+if .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  EXTRAS=dev,cuda  # cuda-python: the layered restore's strided DMAs
+fi
+.venv/bin/pip install -q -e ".[$EXTRAS]" 2>&1 | grep -v -E "^WARNING: Location" || true
 .venv/bin/python -c 'import hicache, transitions, hypothesis' 
