@@ -10,6 +10,13 @@ one class-level ``transitions.Machine`` (the declaration and the test oracle) an
 into :data:`TABLE`, a plain dict the hot path uses. ``tests/spec`` proves the two agree on
 every ``(state, event)`` pair and that the declared states are exactly the reachable ones.
 
+The model is about the host's bookkeeping: who may read a run is decided by ``R`` alone.
+The layered restore (``hicache.engine``) lets the *requester* start its prefill over an H2D
+still in flight: that is a device read ordered after each layer's copy by CUDA events, not
+a host event. The run stays in ``F`` until the transfer completes, nobody else can match it,
+and the requester discards what it computed unless the run is then published (``R`` gains
+L1); a failed transfer leaves the states as if the read never happened.
+
 State codes (the enum values) pack ``R`` into bits 0..2 and ``F`` into bits 3..6, so the
 core can derive a node's state with a few ``|`` and one list lookup::
 
