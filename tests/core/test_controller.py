@@ -94,6 +94,32 @@ def test_restore_is_bit_exact_and_published_before_use(tier: Tier, blocking: boo
     c.close()
 
 
+def test_a_layered_restore_names_the_pages_it_will_publish() -> None:
+    """``start_restore(layer_events=...)`` gives the L1 pages of the whole restored prefix
+    in token order (the L1-resident parent's, then the H2D's) before publication; they are
+    exactly the pages the request reads once published."""
+    c = make()
+    parent, child = list(range(6)), list(range(6)) + list(range(100, 106))
+    kv = cached(c, parent)
+    cached(c, child)
+    c.core.evict(Tier.L1, 3)  # the child's run (an L1 leaf) only; the parent stays in L1
+    req = c.admit(child)
+    hit = c.prefix_pages(req)
+    assert req.cached_len == 6 and c.core.match(child).lengths[1] == 12
+    pending = c.start_restore(req, c.plan(req), layer_events=())
+    assert pending is not None and pending.layered and pending.pages is not None
+    assert pending.pages[:3] == hit and len(pending.pages) == 6 and req.cached_len == 6
+    while not pending.finished:
+        c.poll()
+    assert pending.stage == "done" and req.cached_len == 12
+    assert c.prefix_pages(req) == pending.pages
+    assert torch.equal(c.l1.buffer[:, :, pending.pages[:3]], kv)
+    plain = c.start_restore(c.admit(parent), None)  # without events: nothing to name
+    assert plain is None or not plain.layered
+    c.check_integrity()
+    c.close()
+
+
 def test_l3_promotion_stays_with_the_tree_when_h2d_cannot_start() -> None:
     """The seed's second bug: after the S2H is published, failing to get L1 pages for the
     H2D must not hand the promoted L2 pages back to the free list."""
