@@ -208,16 +208,16 @@ class FacadeMachine(RuleBasedStateMachine):
         return bool(self.requests)
 
     @precondition(_has_requests)
-    @rule(i=st.integers(0, 7), blocking=st.booleans())
-    def restore(self, i: int, blocking: bool) -> None:
+    @rule(i=st.integers(0, 7), blocking=st.booleans(), layered=st.booleans())
+    def restore(self, i: int, blocking: bool, layered: bool) -> None:
         req = self.requests[i % len(self.requests)]
         if req.restore is not None and not req.restore.finished:
             return
         if blocking and not self.scheduled:
             self.cache.restore(req)
-        else:
-            pending = self.cache.start_restore(req)
-            note(f"restore #{req.id}: {None if pending is None else pending.plan}")
+        else:  # layered: as the engine asks on CPU (no events to record; pages named early)
+            pending = self.cache.start_restore(req, layer_events=() if layered else None)
+            note(f"restore #{req.id}: {None if pending is None else pending.plan}, layered {layered}")
 
     @precondition(_has_requests)
     @rule(i=st.integers(0, 7))
@@ -286,6 +286,15 @@ class FacadeMachine(RuleBasedStateMachine):
                 want = tag_value(req.tokens[: (j + 1) * ps])
                 got = self.cache.l1.buffer[:, :, p]
                 assert bool((got == want).all()), f"request #{req.id} page {j} (L1 {p}) holds wrong content"
+
+    @invariant()
+    def a_layered_restore_publishes_the_pages_it_named(self) -> None:
+        """The pages a layered restore named at its start (what the engine's early prefill
+        reads) are, once it is done, the request's prefix pages."""
+        for req in self.requests:
+            r = req.restore
+            if r is not None and r.pages is not None and r.stage == "done":
+                assert self.cache.prefix_pages(req)[: len(r.pages)] == r.pages, f"request #{req.id}"
 
     @invariant()
     def published_pages_hold_their_prefix(self) -> None:
