@@ -359,7 +359,7 @@ class ModelRunner:
         b = len(seqs)
         if all(cached == 0 for _, _, cached in seqs):  # a fresh prefill: no context to read
             self.eager_forwards += 1
-            ids_d, pos_d, write_d = self._upload(None, ids, pos, write)
+            ids_d, pos_d, write_d = self._upload(None, ids, pos, write, fresh=layered)
             return _logits(self.net, ids_d, pos_d, PagedBatch(self.pool, write_d, None, None))
         graph = None
         if self.graphs_enabled and b * q <= self.graph_tokens:
@@ -384,7 +384,7 @@ class ModelRunner:
                 self.graphs_enabled = False
                 self._graphs.clear()
         self.eager_forwards += 1
-        ids_d, pos_d, write_d, read_d, ctx_d = self._upload(None, ids, pos, write, read, ctx_t)
+        ids_d, pos_d, write_d, read_d, ctx_d = self._upload(None, ids, pos, write, read, ctx_t, fresh=layered)
         batch = self.batch(write_d, read_d, ctx_d, unpadded_decode=q == 1 and min(ctx) == t, layered=layered)
         return _logits(self.net, ids_d, pos_d, batch)
 
@@ -408,10 +408,15 @@ class ModelRunner:
         ready = self.layer_events if layered and self.layer_events else None
         return PagedBatch(self.pool, write, read, mask, self.attention, ctx, layer_ready=ready)
 
-    def _upload(self, dst: torch.Tensor | None, *parts: torch.Tensor) -> list[torch.Tensor]:
+    def _upload(self, dst: torch.Tensor | None, *parts: torch.Tensor, fresh: bool = False) -> list[torch.Tensor]:
         """Copy ``parts`` (CPU int64) to the device in one transfer through a reused pinned
         buffer (a copy from pageable memory would make the host wait for the GPU's queue);
-        returns device views shaped like ``parts``, backed by ``dst`` when given."""
+        returns device views shaped like ``parts``, backed by ``dst`` when given, else by a
+        reused device buffer, or with ``fresh`` by a new one.
+
+        NOTE: an eager layered forward passes ``fresh``: it runs on its own stream for as
+        long as its restore lands, and a forward on the caller's stream meanwhile would
+        overwrite the reused buffer under it."""
         flat = torch.cat([p.reshape(-1) for p in parts])
         n = flat.numel()
         if self.pool.device.type != "cuda":
@@ -422,8 +427,13 @@ class ModelRunner:
                 self._dev = torch.empty(self._host.numel(), dtype=torch.int64, device=self.pool.device)
             self._copied.synchronize()  # the previous upload has left the pinned buffer
             self._host[:n].copy_(flat)
-            target = self._dev if dst is None else dst
-            assert target is not None
+            if dst is not None:
+                target = dst
+            elif fresh:
+                target = torch.empty(n, dtype=torch.int64, device=self.pool.device)
+            else:
+                assert self._dev is not None
+                target = self._dev
             dev = target[:n]
             dev.copy_(self._host[:n], non_blocking=True)
             self._copied.record()

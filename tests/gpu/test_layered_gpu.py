@@ -120,3 +120,47 @@ def test_layered_restore_waits_for_each_layer_and_matches_the_l1_hit(graphs: boo
         assert torch.equal(out.first_logits, hit.first_logits) and out.tokens == hit.tokens
     e.cache.check_integrity()
     e.close()
+
+
+@pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
+def test_an_eager_layered_prefill_keeps_its_inputs_while_another_prefill_runs() -> None:
+    """A restored prompt with a 100-token tail prefills eagerly on the layered stream while
+    its (held back) copy lands; a fresh prompt prefilled meanwhile on the caller's stream
+    must not overwrite the layered forward's inputs: its logits equal the L1 hit's."""
+    rng = random.Random(7)
+    prefix = [rng.randrange(512) for _ in range(288)]  # 18 full pages
+    prompt = prefix + [rng.randrange(512) for _ in range(100)]
+    other = [rng.randrange(512) for _ in range(200)]
+
+    def engine() -> Engine:
+        return Engine("tiny", device="cuda", page_size=16, num_pages=256, enable_hicache=True, l2_pages=256,
+                      policy="always", max_batch=4)  # fmt: skip
+
+    ref = engine()
+    ref.generate(prefix)
+    hit = ref.generate(prompt, max_new_tokens=2)
+    assert hit.cached_tokens == 288 and hit.restored_from == "L1"
+    ref.close()
+
+    e = engine()
+    e.generate(prefix)
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    e.cache.l1.buffer.normal_()
+    h2d = e.cache.device.h2d
+
+    def late(src: list[int], dst: list[int], layer_events: object = None) -> object:
+        with torch.cuda.stream(e.cache.device.stream):  # type: ignore[attr-defined]
+            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        return h2d(src, dst, layer_events=layer_events)  # type: ignore[arg-type]
+
+    e.cache.device.h2d = late  # type: ignore[method-assign, assignment]
+    rid = e.submit(prompt, 2)
+    e.submit(other, 2)  # admitted in the same step; its prefill runs while the restore lands
+    outs = {o.id: o for o in e.run()}
+    got = outs[rid]
+    assert got.restored_from == "L2" and e.stats.layered_used == 1
+    assert got.first_logits is not None and hit.first_logits is not None
+    assert torch.equal(got.first_logits, hit.first_logits) and got.tokens == hit.tokens
+    e.cache.check_integrity()
+    e.close()
