@@ -25,6 +25,18 @@ pytestmark = [
 SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU time on the producer stream
 
 
+def hold_back_h2d(e: Engine) -> None:
+    """Every H2D of ``e`` starts ~50 ms late on its stream (the host is not held)."""
+    h2d = e.cache.device.h2d
+
+    def late(src: list[int], dst: list[int], layer_events: object = None) -> object:
+        with torch.cuda.stream(e.cache.device.stream):  # type: ignore[attr-defined]
+            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        return h2d(src, dst, layer_events=layer_events)  # type: ignore[arg-type]
+
+    e.cache.device.h2d = late  # type: ignore[method-assign, assignment]
+
+
 def test_graph_waits_on_external_event_recorded_after_capture() -> None:
     x = torch.zeros(1024, device="cuda")
     out = torch.zeros(1024, device="cuda")
@@ -102,14 +114,7 @@ def test_layered_restore_waits_for_each_layer_and_matches_the_l1_hit(graphs: boo
     e.generate(prompt)
     e.cache.drain()
     hit = e.generate([*prompt, 5, 6], max_new_tokens=4)
-    h2d = e.cache.device.h2d
-
-    def late(src: list[int], dst: list[int], layer_events: object = None) -> object:
-        with torch.cuda.stream(e.cache.device.stream):  # type: ignore[attr-defined]
-            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-        return h2d(src, dst, layer_events=layer_events)  # type: ignore[arg-type]
-
-    e.cache.device.h2d = late  # type: ignore[method-assign, assignment]
+    hold_back_h2d(e)
     for round in (1, 2):  # the second replays the layered graph captured by the first
         e.cache.drain()
         e.cache.core.evict(Tier.L1, 10**6)
@@ -147,14 +152,7 @@ def test_an_eager_layered_prefill_keeps_its_inputs_while_another_prefill_runs() 
     e.cache.drain()
     e.cache.core.evict(Tier.L1, 10**6)
     e.cache.l1.buffer.normal_()
-    h2d = e.cache.device.h2d
-
-    def late(src: list[int], dst: list[int], layer_events: object = None) -> object:
-        with torch.cuda.stream(e.cache.device.stream):  # type: ignore[attr-defined]
-            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-        return h2d(src, dst, layer_events=layer_events)  # type: ignore[arg-type]
-
-    e.cache.device.h2d = late  # type: ignore[method-assign, assignment]
+    hold_back_h2d(e)
     rid = e.submit(prompt, 2)
     e.submit(other, 2)  # admitted in the same step; its prefill runs while the restore lands
     outs = {o.id: o for o in e.run()}
