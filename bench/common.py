@@ -4,6 +4,9 @@ files, device naming."""
 from __future__ import annotations
 
 import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,57 @@ def fingerprint(engine: Engine, tokens: list[int], n_pages: int) -> str | None:
         return None
     data = engine.cache.l1.buffer[:, :, pages].contiguous().cpu()
     return xxhash.xxh3_128_hexdigest(data.view(torch.uint8).numpy().tobytes())
+
+
+class CallTimer:
+    """Host time of the engine's hicache calls, split by call, and the part of it spent
+    issuing transfers (the device's ``h2d``/``d2h`` and the storage's ``read``/``write``,
+    when called from inside one of those calls). DESIGN.md counts match, plan and insert as
+    bookkeeping; issuing copies is the transfer's cost, so the two are reported apart.
+    Counts only while :attr:`on`; nested calls count once, in the outermost."""
+
+    CALLS = ("poll", "admit", "plan", "start_restore", "restore", "allocate", "prefix_pages", "insert", "release")
+
+    def __init__(self, engine: Engine) -> None:
+        self.on = False
+        self.calls: dict[str, float] = defaultdict(float)
+        self.issue_s = 0.0
+        self._depth = 0
+        cache = engine.cache
+        for name in self.CALLS:
+            setattr(cache, name, self._wrap(name, getattr(cache, name), issue=False))
+        movers: list[tuple[object, tuple[str, str]]] = [(cache.device, ("h2d", "d2h"))]
+        if cache.storage is not None:
+            movers.append((cache.storage, ("read", "write")))
+        for obj, names in movers:
+            for name in names:
+                setattr(obj, name, self._wrap(name, getattr(obj, name), issue=True))
+
+    def _wrap(self, name: str, fn: Callable[..., Any], *, issue: bool) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on or (issue and self._depth == 0) or (not issue and self._depth > 0):
+                return fn(*args, **kwargs)  # outside a measured call, or nested in one
+            self._depth += not issue
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                if issue:
+                    self.issue_s += dt
+                else:
+                    self._depth -= 1
+                    self.calls[name] += dt
+
+        return timed
+
+    def per_request_ms(self, requests: int) -> dict[str, Any]:
+        total = sum(self.calls.values())
+        return {
+            "cache_calls_ms": {k: v / requests * 1e3 for k, v in sorted(self.calls.items())},
+            "transfer_issue_ms": self.issue_s / requests * 1e3,
+            "bookkeeping_ms": (total - self.issue_s) / requests * 1e3,
+        }
 
 
 class PageCheck:

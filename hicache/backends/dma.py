@@ -35,10 +35,9 @@ def _rows(t: torch.Tensor) -> tuple[int, int, int]:
     return t.shape[0], t.shape[1] * size, t.stride(0) * size
 
 
-def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-    """``dst.copy_(src)`` for 2-D views with contiguous rows and any row pitch: ``src`` in
-    pinned host memory, ``dst`` on the device; one DMA queued on ``stream``
-    (a ``torch.cuda.Stream``). Nothing waits for it: order later work after ``stream``."""
+def check_rows(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, int]:
+    """Check a :func:`copy_rows` of ``src`` into ``dst``; returns (rows, bytes per row,
+    destination pitch, source pitch), pitches in bytes."""
     if not AVAILABLE:
         raise ConfigError("row copies need cuda-python (pip install cuda-bindings)")
     if not dst.is_cuda or src.is_cuda or not src.is_pinned():
@@ -47,10 +46,23 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         raise ConfigError(f"copy_rows: {src.dtype} {tuple(src.shape)} into {dst.dtype} {tuple(dst.shape)}")
     rows, width, spitch = _rows(src)
     _, _, dpitch = _rows(dst)
+    return rows, width, max(dpitch, width), max(spitch, width)
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+    """``dst.copy_(src)`` for 2-D views with contiguous rows and any row pitch: ``src`` in
+    pinned host memory, ``dst`` on the device; one DMA queued on ``stream``
+    (a ``torch.cuda.Stream``). Nothing waits for it: order later work after ``stream``."""
+    rows, width, dpitch, spitch = check_rows(dst, src)
+    copy_rows_raw(dst.data_ptr(), dpitch, src.data_ptr(), spitch, width, rows, stream)
+
+
+def copy_rows_raw(dst: int, dpitch: int, src: int, spitch: int, width: int, rows: int, stream: Any) -> None:
+    """:func:`copy_rows` on addresses (bytes), unchecked: for callers that checked the
+    buffers once and issue many copies into them (a layered H2D issues ~20 per restore,
+    and the checks cost more host time than the call itself)."""
     if rows == 0 or width == 0:
         return
-    (err,) = _rt.cudaMemcpy2DAsync(
-        dst.data_ptr(), max(dpitch, width), src.data_ptr(), max(spitch, width), width, rows, _H2D, stream.cuda_stream
-    )
+    (err,) = _rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, _H2D, stream.cuda_stream)
     if err != _OK:
         raise RuntimeError(f"cudaMemcpy2DAsync failed: {err!r}")

@@ -463,21 +463,44 @@ class TransferEngine:
             if staged is not None
             else [(a, b, self.l2.slabs[src[a] : src[a] + b - a]) for a, b in runs]
         )
+        # NOTE: the DMAs go by address (checked once here): per-copy checks of the views
+        # cost more host time than the copies' enqueue, and the forward launches after it.
+        size = packed.element_size()
+        slab = self.geometry.page_elements * size  # bytes of one layer's K (or V) of a page
+        pitch = 2 * layers * slab  # bytes of a page, in the workspace and in L2 alike
+        plan = []
+        for first, end, host in pieces:
+            assert host is not None
+            dma.check_rows(packed[first:end, 0], host[:, 0])  # rows a page apart, pinned source
+            plan.append((packed.data_ptr() + first * pitch, host.data_ptr(), end - first))
         for lo, hi in self.layer_groups():
-            for first, end, host in pieces:
-                assert host is not None
-                for base in (0, layers):  # K slabs, then V slabs
-                    dma.copy_rows(
-                        packed[first:end, base + lo : base + hi].flatten(1),
-                        host[:, base + lo : base + hi].flatten(1),
-                        self.stream,
-                    )
-            if self.scatter_backend == "triton":
-                kernels.load_layers_triton(packed, rows, self.l1.slabs, ids, (lo, hi), programs=self.scatter_programs)
-            else:
-                kernels.load_layers_torch(packed, rows, self.l1.slabs, ids, (lo, hi))
+            for dst, host_ptr, count in plan:
+                for base in (lo, layers + lo):  # K slabs, then V slabs
+                    at = base * slab
+                    dma.copy_rows_raw(dst + at, pitch, host_ptr + at, pitch, (hi - lo) * slab, count, self.stream)
+            self._scatter_layers(packed, rows, ids, (lo, hi))
             for event in {id(e): e for e in events[lo:hi]}.values():
                 event.record(self.stream)
+
+    def _scatter_layers(
+        self, packed: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, layers: tuple[int, int]
+    ) -> None:
+        """Layers ``[lo, hi)`` of the workspace into their L1 pages; a Triton failure under
+        ``auto`` falls back to torch for good, as the whole-run scatter does (:meth:`_run`)."""
+        if self.scatter_backend == "triton":
+            try:
+                kernels.load_layers_triton(packed, rows, self.l1.slabs, ids, layers, programs=self.scatter_programs)
+                return
+            except Exception as exc:
+                if self.requested == "triton":
+                    raise
+                warnings.warn(
+                    f"hicache: triton layered scatter failed ({exc!r}); falling back to torch",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                self.scatter_backend = "torch"
+        kernels.load_layers_torch(packed, rows, self.l1.slabs, ids, layers)
 
     def _issue(self, ticket: DeviceTicket, copies: Callable[[], None], keep: list[Any]) -> None:
         """Run ``copies`` synchronously (CPU) or on the transfer stream behind the caller's."""

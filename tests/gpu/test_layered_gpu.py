@@ -95,6 +95,28 @@ def test_layered_h2d_lands_every_page_and_signals_every_layer(backend: TransferB
 
 
 @pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
+def test_layered_h2d_falls_back_to_torch_when_the_triton_scatter_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = KVGeometry(4, 2, 64, 16, torch.bfloat16)
+    dev = DevicePool.allocate(g, 32, "cuda")
+    host = HostPool(g, 32)
+    host.page_buffer.copy_(torch.randn(host.page_buffer.shape).to(g.dtype))
+    engine = TransferEngine(dev, host, "auto")
+    engine.h2d([0], [0]).wait()  # autotune first: it picks the Triton scatter here
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr("hicache.backends.kernels.load_layers_triton", broken)
+    engine.scatter_backend = "triton"
+    events: list[Any] = [torch.cuda.Event() for _ in range(g.num_layers)]  # type: ignore[no-untyped-call]
+    with pytest.warns(RuntimeWarning, match="falling back to torch"):
+        assert engine.h2d([3, 4, 9], [7, 2, 5], layer_events=events).wait()
+    assert engine.scatter_backend == "torch"
+    got = dev.slabs.index_select(1, torch.tensor([7, 2, 5], device="cuda")).transpose(0, 1).cpu()
+    assert torch.equal(got, host.slabs[[3, 4, 9]])
+
+
+@pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
 @pytest.mark.parametrize("graphs", [False, True])
 def test_layered_restore_waits_for_each_layer_and_matches_the_l1_hit(graphs: bool) -> None:
     """The copy is held back ~50 ms and L1 is filled with garbage first: a forward that
