@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--disk-dir", default=str(Path(__file__).resolve().parent.parent), help="a dir on the local disk")
     ap.add_argument("--decoders", type=int, default=4, help="background decoders in the overlap variant (0: skip)")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--no-rotation", action="store_true", help="run only the overlap variants")
     ap.add_argument("--repeats", type=int, default=1, help="runs per configuration, round-robin; rows show the median")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default=None)
@@ -167,15 +168,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     # (variant, config, decoders, prefetch); with --repeats the whole list runs round-robin
     # (drift spreads over every configuration) and each row is the run of median req/s.
-    jobs: list[tuple[str, Config, int, bool]] = [("rotation", cfg, 0, True) for cfg in configs(args.storage)]
+    jobs: list[tuple[str, Config, int, bool]] = [
+        ("rotation", cfg, 0, True) for cfg in ([] if args.no_rotation else configs(args.storage))
+    ]
     if args.decoders:
         jobs += [(v, ("l2", "-", "always"), args.decoders, v == "overlap") for v in ("overlap", "blocking")]
     runs: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    layered = args.hicache_layered_restore
     for round_ in range(args.repeats):
         for j, (variant, cfg, decoders, prefetch) in enumerate(jobs):
             tier, storage, policy = cfg
             where = {"disk": args.disk_dir, "pagecache": shm}.get(storage)
             args.disable_hicache_prefetch = not prefetch
+            args.hicache_layered_restore = layered if prefetch else "off"  # a blocking restore is whole
             engine = make_engine(net, args, cfg, where, decoders)
             desc = f"{tier} {storage} {policy}" if variant == "rotation" else variant
             if args.repeats > 1:
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             engine.close()
             if where is not None:
                 Path(where, f".hicache-bench-{os.getpid()}.l3").unlink(missing_ok=True)
-    args.disable_hicache_prefetch = False
+    args.disable_hicache_prefetch, args.hicache_layered_restore = False, layered
     rows: list[dict[str, Any]] = []
     for (variant, (tier, storage, policy), _, _), results in zip(jobs, runs, strict=True):
         ranked = sorted(results, key=lambda x: x["req_per_s"])
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for r in rows:
         key = f"{r['tier']}/{r['storage']}"
         r["cost_vs_best_forced"] = r["req_per_s"] / best[key] if r["policy"] == "cost" and key in best else None
-    base = next(r["req_per_s"] for r in rows if r["tier"] == "none")
+    base = next((r["req_per_s"] for r in rows if r["tier"] == "none"), float("nan"))
     print(
         f"\nStress: {args.prefixes} x {args.prefix_tokens}-token prefixes in rotation, {args.requests} requests, "
         f"{args.model} ({dtype}) on {device_name(args.device)}, {meta.get('date', '')}"

@@ -3,7 +3,7 @@
 #   bash bench/gpu_e2e.sh tests latency8b     (phases run in the order given)
 # Phases: tests, transfer (race demo, transfer and storage benchmarks), latency8b, latency8b-quick,
 # attnprobe (attention backends: memory per shape, speed of a tail call and a decode call), attention8b (ATTN_VARIANTS, default 6 attention variants, ~1.1 min each), latency4b, stress8b, stress4b (STRESS_REPEATS, default 3: ~7.5 min each), soak (SOAK_MINUTES, default 5),
-# layered8b (LAYERED_VARIANTS, default off on: ~1.1 min each), fwdprofile (kernels of a restored tail's forward by kind), layerload (layer-by-layer H2D ways), soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
+# layered8b (LAYERED_VARIANTS, default off on: ~1.1 min each), hangprobe (the layered restore beside decoding, ~2 min), fwdprofile (kernels of a restored tail's forward by kind), layerload (layer-by-layer H2D ways), soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
 # Results go to $OUT (default bench/results).
 set -uo pipefail
 OUT=${OUT:-bench/results}
@@ -30,8 +30,8 @@ for phase in "$@"; do
     layerload) python3 bench/layer_load.py --out "$OUT" ;;  # zero-copy layer-ranged H2D vs DMA, ~1 min
     fwdprofile) python3 bench/forward_profile.py --context 3500 --tail 22 --out "$OUT/forward_profile-$(date +%F)-h200.json" ;;  # ~1 min
     bookkeeping) python3 bench/bookkeeping.py --prefix-tokens 3500 && python3 bench/bookkeeping.py --prefix-tokens 350 ;;
-    latency8b) (cd bench && python3 bench_hicache.py --model qwen3-8b --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
-    latency8b-quick) (cd bench && python3 bench_hicache.py --model qwen3-8b --prefix-tokens 350 3500 --tiers none l2 \
+    latency8b) (cd bench && python3 bench_hicache.py --model qwen3-8b --hicache-layered-restore "${LAYERED:-on}" --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
+    latency8b-quick) (cd bench && python3 bench_hicache.py --model qwen3-8b --prefix-tokens 350 3500 --tiers none l2 --hicache-layered-restore "${LAYERED:-on}" \
         --out "$OUT" --tag h200-quick 2>&1 | grep -v "it/s\]" | tail -12) ;;
     attnprobe) python3 bench/rss_shapes.py --shapes 300 2>&1 | grep -v -i "warn\|^  F\." ;;  # ~1 min
     attention8b)  # attention variants side by side (README: what the cuDNN fix costs), ~1.1 min each
@@ -47,11 +47,11 @@ for phase in "$@"; do
         (cd bench && python3 bench_hicache.py --model qwen3-8b --prefix-tokens 350 3500 --tiers none l2 \
           --hicache-layered-restore $v --out "$OUT" --tag "h200-layered-$v" 2>&1 | grep -E "^ +[0-9]+ +(none|l2)|Error")
       done ;;
-    latency4b) (cd bench && python3 bench_hicache.py --model qwen3-4b --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
+    latency4b) (cd bench && python3 bench_hicache.py --model qwen3-4b --hicache-layered-restore "${LAYERED:-on}" --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
     stress8b) (cd bench && python3 bench_hicache_stress.py --model qwen3-8b --disk-dir "$PWD" --repeats "${STRESS_REPEATS:-3}" \
-        --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -18) ;;
+        --out "$OUT" 2>&1 | tee "$OUT/$phase.log" | grep -v "it/s\]" | tail -18) ;;
     stress4b) (cd bench && python3 bench_hicache_stress.py --model qwen3-4b --disk-dir "$PWD" --repeats "${STRESS_REPEATS:-3}" \
-        --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -18) ;;
+        --out "$OUT" 2>&1 | tee "$OUT/$phase.log" | grep -v "it/s\]" | tail -18) ;;
     soak-bisect)  # where the GPU soak's resident memory grows: one short soak per variant (SOAK_VARIANTS)
       for name in ${SOAK_VARIANTS:-base nograph torch mmapfixed}; do
         env=(); flags=()
@@ -65,6 +65,12 @@ for phase in "$@"; do
         echo "-- $name"
         env "${env[@]}" python3 bench/soak.py --model qwen3-4b --device cuda --minutes "${SOAK_BISECT_MINUTES:-1.75}" \
           --sample-s 15 --out "$OUT" --tag "h200-$name" "${flags[@]}" 2>&1 | grep -E "RSS|errors|leaks|anon memory"
+      done ;;
+    hangprobe)  # the layered restore beside concurrent decoding: which stream/event stalls (~1 min each)
+      for v in "" "--disable-cuda-graph"; do
+        echo "-- layered restore with decoders ${v:-(graphs)}"
+        (cd bench && timeout 300 python3 layered_hang_probe.py --model qwen3-8b --requests 40 $v --out "$OUT" \
+          --tag h200-hangprobe 2>&1 | grep -v "it/s\]" | tail -12)
       done ;;
     soak) python3 bench/soak.py --model qwen3-4b --device cuda --minutes "${SOAK_MINUTES:-5}" --out "$OUT" 2>&1 | tail -25 ;;
   esac

@@ -130,6 +130,7 @@ def test_layered_restore_waits_for_each_layer_and_matches_the_l1_hit(graphs: boo
         l2_pages=256,
         policy="always",
         cuda_graphs=graphs,
+        layered_restore=True,
     )
     rng = random.Random(0)
     prompt = [rng.randrange(512) for _ in range(300)]
@@ -161,7 +162,7 @@ def test_an_eager_layered_prefill_keeps_its_inputs_while_another_prefill_runs() 
 
     def engine() -> Engine:
         return Engine("tiny", device="cuda", page_size=16, num_pages=256, enable_hicache=True, l2_pages=256,
-                      policy="always", max_batch=4)  # fmt: skip
+                      policy="always", max_batch=4, layered_restore=True)  # fmt: skip
 
     ref = engine()
     ref.generate(prefix)
