@@ -19,7 +19,7 @@ for phase in "$@"; do
   echo "== $phase $(date +%T)"
   case $phase in
     tests)
-      python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/gpu tests/engine tests/backends \
+      timeout -k 10 480 python3 -X faulthandler -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 tests/gpu tests/engine tests/backends \
         tests/core/test_controller.py > "$OUT/gpu_tests-e2e.txt" 2>&1
       tail -3 "$OUT/gpu_tests-e2e.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests-e2e.txt" | head -20 ;;
     transfer)

@@ -185,3 +185,41 @@ def test_an_eager_layered_prefill_keeps_its_inputs_while_another_prefill_runs() 
     assert torch.equal(got.first_logits, hit.first_logits) and got.tokens == hit.tokens
     e.cache.check_integrity()
     e.close()
+
+
+@pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
+def test_a_layered_restore_beside_decoding_changes_no_output() -> None:
+    """The scene that hung on the H200 with Qwen3-8B (session 7): requests decode on the
+    caller's stream while a layered restore's prefill runs on its own. With the copy held
+    back ~50 ms, the decoders' tokens and the restored request's logits must equal those of
+    the same run with the layered restore off (the restored request takes one token, so
+    every decode batch has the same rows in both runs)."""
+    rng = random.Random(11)
+    prefix = [rng.randrange(512) for _ in range(288)]
+    decoders = [[rng.randrange(512) for _ in range(40)] for _ in range(3)]
+
+    def run(layered: bool) -> tuple[list[list[int]], torch.Tensor, int]:
+        e = Engine("tiny", device="cuda", page_size=16, num_pages=256, enable_hicache=True, l2_pages=256,
+                   policy="always", max_batch=8, layered_restore=layered)  # fmt: skip
+        e.generate(prefix)
+        e.cache.drain()
+        e.cache.core.evict(Tier.L1, 10**6)
+        ids = [e.submit(p, 24) for p in decoders]
+        while e.stats.decode_batches < 2:  # all three prefilled and decoding
+            e.step()
+        hold_back_h2d(e)
+        rid = e.submit([*prefix, 1, 2, 3], 1)
+        outs = {o.id: o for o in e.run()}
+        e.cache.check_integrity()
+        got = outs[rid]
+        assert got.restored_from == "L2" and got.first_logits is not None
+        assert e.stats.decode_s_while_restoring > 0  # decode ran while the restore landed
+        used = e.stats.layered_used
+        e.close()
+        return [outs[i].tokens for i in ids], got.first_logits, used
+
+    on_tokens, on_logits, used = run(True)
+    off_tokens, off_logits, _ = run(False)
+    assert used == 1
+    assert on_tokens == off_tokens
+    assert torch.equal(on_logits, off_logits)
