@@ -67,6 +67,8 @@ for phase in "$@"; do
           --sample-s 15 --out "$OUT" --tag "h200-$name" "${flags[@]}" 2>&1 | grep -E "RSS|errors|leaks|anon memory"
       done ;;
     hangprobe)  # the layered restore beside concurrent decoding: which stream/event stalls (~1 min each)
+      echo "-- the stream pattern alone (bench/layered_hang_min.py)"
+      timeout 120 python3 bench/layered_hang_min.py --rounds 300 2>&1 | tail -8
       for v in "" "--disable-cuda-graph"; do
         echo "-- layered restore with decoders ${v:-(graphs)}"
         (cd bench && timeout 300 python3 layered_hang_probe.py --model qwen3-8b --requests 40 $v --out "$OUT" \
