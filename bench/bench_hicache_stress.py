@@ -186,6 +186,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             if args.repeats > 1:
                 desc += f" ({round_ + 1}/{args.repeats})"
             runs[j].append(rotate(engine, args, prefixes, decoders, desc))
+            last = runs[j][-1]  # a line per finished run: a later hang or timeout keeps them in the log
+            ov = last["overlap_fraction"]
+            print(
+                f"ran {desc}: {last['req_per_s']:.1f} req/s, TTFT median {last['ttft_ms_median']:.1f} ms, "
+                f"served {last['served_from']}, overlap {'-' if ov is None else f'{ov:.0%}'}, "
+                f"page mismatches {last['page_mismatches']}",
+                flush=True,
+            )
             engine.close()
             if where is not None:
                 Path(where, f".hicache-bench-{os.getpid()}.l3").unlink(missing_ok=True)
