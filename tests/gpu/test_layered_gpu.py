@@ -37,6 +37,15 @@ def hold_back_h2d(e: Engine) -> None:
     e.cache.device.h2d = late  # type: ignore[method-assign, assignment]
 
 
+def drop_l1(e: Engine, *, garbage: bool) -> None:
+    """Every page of ``e``'s tree leaves L1 (its L2 copy stays); ``garbage`` then fills the
+    L1 pool with noise, so a forward that read a page before it landed gives other logits."""
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    if garbage:
+        e.cache.l1.buffer.normal_()
+
+
 def test_graph_waits_on_external_event_recorded_after_capture() -> None:
     x = torch.zeros(1024, device="cuda")
     out = torch.zeros(1024, device="cuda")
@@ -139,9 +148,7 @@ def test_layered_restore_waits_for_each_layer_and_matches_the_l1_hit(graphs: boo
     hit = e.generate([*prompt, 5, 6], max_new_tokens=4)
     hold_back_h2d(e)
     for round in (1, 2):  # the second replays the layered graph captured by the first
-        e.cache.drain()
-        e.cache.core.evict(Tier.L1, 10**6)
-        e.cache.l1.buffer.normal_()
+        drop_l1(e, garbage=True)
         out = e.generate([*prompt, 5, 6], max_new_tokens=4)
         assert out.restored_from == "L2" and e.stats.layered_used == round
         assert out.first_logits is not None and hit.first_logits is not None
@@ -172,9 +179,7 @@ def test_an_eager_layered_prefill_keeps_its_inputs_while_another_prefill_runs() 
 
     e = engine()
     e.generate(prefix)
-    e.cache.drain()
-    e.cache.core.evict(Tier.L1, 10**6)
-    e.cache.l1.buffer.normal_()
+    drop_l1(e, garbage=True)
     hold_back_h2d(e)
     rid = e.submit(prompt, 2)
     e.submit(other, 2)  # admitted in the same step; its prefill runs while the restore lands
@@ -202,8 +207,7 @@ def test_a_layered_restore_beside_decoding_changes_no_output() -> None:
         e = Engine("tiny", device="cuda", page_size=16, num_pages=256, enable_hicache=True, l2_pages=256,
                    policy="always", max_batch=8, layered_restore=layered)  # fmt: skip
         e.generate(prefix)
-        e.cache.drain()
-        e.cache.core.evict(Tier.L1, 10**6)
+        drop_l1(e, garbage=False)  # the decoders' pages come next: no noise
         ids = [e.submit(p, 24) for p in decoders]
         while e.stats.decode_batches < 2:  # all three prefilled and decoding
             e.step()
