@@ -14,7 +14,7 @@ from hicache.backends import dma
 from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.transfer import TransferBackend, TransferEngine
 from hicache.core.geometry import KVGeometry
-from hicache.engine import Engine
+from hicache.engine import Engine, Output
 from hicache.errors import ConfigError
 from hicache.spec.model import Tier
 
@@ -44,6 +44,14 @@ def drop_l1(e: Engine, *, garbage: bool) -> None:
     e.cache.core.evict(Tier.L1, 10**6)
     if garbage:
         e.cache.l1.buffer.normal_()
+
+
+def assert_served_like_the_hit(e: Engine, out: Output, hit: Output, layered_used: int) -> None:
+    """``out`` was restored from L2 through ``e``'s layered prefill (the ``layered_used``-th)
+    and gave exactly the L1 hit's logits and tokens."""
+    assert out.restored_from == "L2" and e.stats.layered_used == layered_used
+    assert out.first_logits is not None and hit.first_logits is not None
+    assert torch.equal(out.first_logits, hit.first_logits) and out.tokens == hit.tokens
 
 
 def test_graph_waits_on_external_event_recorded_after_capture() -> None:
@@ -150,9 +158,7 @@ def test_layered_restore_waits_for_each_layer_and_matches_the_l1_hit(graphs: boo
     for round in (1, 2):  # the second replays the layered graph captured by the first
         drop_l1(e, garbage=True)
         out = e.generate([*prompt, 5, 6], max_new_tokens=4)
-        assert out.restored_from == "L2" and e.stats.layered_used == round
-        assert out.first_logits is not None and hit.first_logits is not None
-        assert torch.equal(out.first_logits, hit.first_logits) and out.tokens == hit.tokens
+        assert_served_like_the_hit(e, out, hit, round)
     e.cache.check_integrity()
     e.close()
 
@@ -184,10 +190,7 @@ def test_an_eager_layered_prefill_keeps_its_inputs_while_another_prefill_runs() 
     rid = e.submit(prompt, 2)
     e.submit(other, 2)  # admitted in the same step; its prefill runs while the restore lands
     outs = {o.id: o for o in e.run()}
-    got = outs[rid]
-    assert got.restored_from == "L2" and e.stats.layered_used == 1
-    assert got.first_logits is not None and hit.first_logits is not None
-    assert torch.equal(got.first_logits, hit.first_logits) and got.tokens == hit.tokens
+    assert_served_like_the_hit(e, outs[rid], hit, 1)
     e.cache.check_integrity()
     e.close()
 
