@@ -4,7 +4,8 @@
 # Phases: tests, transfer (race demo, transfer and storage benchmarks), latency8b, latency8b-quick,
 # attnprobe (attention backends: memory per shape, speed of a tail call and a decode call), attention8b (ATTN_VARIANTS, default 6 attention variants, ~1.1 min each), latency4b, stress8b, stress4b (STRESS_REPEATS, default 3: ~7.5 min each), soak (SOAK_MINUTES, default 5),
 # layered8b (LAYERED_VARIANTS, default off on: ~1.1 min each), hangprobe (the layered restore beside decoding, ~2 min), fwdprofile (kernels of a restored tail's forward by kind), layerload (layer-by-layer H2D ways), soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
-# latency8b, latency8b-quick and latency4b run with --hicache-layered-restore ${LAYERED:-on} (the README tables).
+# latency8b, latency8b-quick and latency4b run with --hicache-layered-restore ${LAYERED:-on} (the README tables);
+# stress8b, stress4b and soak with the engine's default unless LAYERED is set.
 # Results go to $OUT (default bench/results). stress and soak phases stop after PHASE_TIMEOUT s (570), so a
 # hang leaves the device call time to return what it wrote (stress phases tee their log to $OUT).
 set -uo pipefail
@@ -51,9 +52,9 @@ for phase in "$@"; do
       done ;;
     latency4b) (cd bench && python3 bench_hicache.py --model qwen3-4b --hicache-layered-restore "${LAYERED:-on}" --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -20) ;;
     stress8b) (cd bench && timeout -k 10 "${PHASE_TIMEOUT:-570}" python3 bench_hicache_stress.py --model qwen3-8b --disk-dir "$PWD" --repeats "${STRESS_REPEATS:-3}" \
-        --out "$OUT" 2>&1 | tee "$OUT/$phase.log" | grep -v "it/s\]" | tail -18) ;;
+        ${LAYERED:+--hicache-layered-restore "$LAYERED"} --out "$OUT" 2>&1 | tee "$OUT/$phase.log" | grep -v "it/s\]" | tail -18) ;;
     stress4b) (cd bench && timeout -k 10 "${PHASE_TIMEOUT:-570}" python3 bench_hicache_stress.py --model qwen3-4b --disk-dir "$PWD" --repeats "${STRESS_REPEATS:-3}" \
-        --out "$OUT" 2>&1 | tee "$OUT/$phase.log" | grep -v "it/s\]" | tail -18) ;;
+        ${LAYERED:+--hicache-layered-restore "$LAYERED"} --out "$OUT" 2>&1 | tee "$OUT/$phase.log" | grep -v "it/s\]" | tail -18) ;;
     soak-bisect)  # where the GPU soak's resident memory grows: one short soak per variant (SOAK_VARIANTS)
       for name in ${SOAK_VARIANTS:-base nograph torch mmapfixed}; do
         env=(); flags=()
@@ -70,13 +71,14 @@ for phase in "$@"; do
       done ;;
     hangprobe)  # the layered restore beside concurrent decoding: which stream/event stalls (~1 min each)
       echo "-- the stream pattern alone (bench/layered_hang_min.py)"
-      timeout 120 python3 bench/layered_hang_min.py --rounds 300 2>&1 | tail -8
+      timeout 120 python3 bench/layered_hang_min.py --rounds 300 > "$OUT/hang_min.log" 2>&1; tail -8 "$OUT/hang_min.log"
       for v in "" "--disable-cuda-graph"; do
         echo "-- layered restore with decoders ${v:-(graphs)}"
+        log="$OUT/hang_probe${v:+-nograph}.log"
         (cd bench && timeout 300 python3 layered_hang_probe.py --model qwen3-8b --requests 40 $v --out "$OUT" \
-          --tag h200-hangprobe 2>&1 | grep -v "it/s\]" | tail -12)
+          --tag h200-hangprobe > "$log" 2>&1); grep -v "it/s\]" "$log" | tail -12
       done ;;
-    soak) timeout -k 10 "${PHASE_TIMEOUT:-570}" python3 bench/soak.py --model qwen3-4b --device cuda --minutes "${SOAK_MINUTES:-5}" --out "$OUT" 2>&1 | tail -25 ;;
+    soak) timeout -k 10 "${PHASE_TIMEOUT:-570}" python3 bench/soak.py --model qwen3-4b --device cuda --minutes "${SOAK_MINUTES:-5}" ${LAYERED:+--hicache-layered-restore "$LAYERED"} --out "$OUT" 2>&1 | tail -25 ;;
   esac
 done
 echo "== done $(date +%T)"

@@ -12,7 +12,15 @@ stall prints which stream or event is pending and exits with status 3.
 If this stalls, the pattern itself (CUDA, the driver, torch's graphs) is at fault; if it
 does not, the engine's use of it is.
 
+``--gemms qwen3-8b`` gives both graphs the MLP GEMMs of a Qwen3-8B forward over a few
+tokens (4 or 6 rows, 4096 x 12288 and back: cuBLAS picks split-K kernels that use its
+workspace), and every replay's output is checked against the first one's. ``--capture``
+says where the graphs are captured: ``shared`` on torch's one default capture stream (so
+both graphs were handed the same cuBLAS workspace, keyed by the capture stream), or
+``separate``, the layered graph on its own stream and the decode graphs on another.
+
     python bench/layered_hang_min.py [--rounds 200] [--pages 219] [--no-capture]
+        [--gemms square|qwen3-8b] [--capture shared|separate]
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--capture-every", type=int, default=5, help="capture a new decode graph every N rounds")
     ap.add_argument("--no-capture", action="store_true")
     ap.add_argument("--deadline-s", type=float, default=10.0)
+    ap.add_argument("--gemms", choices=("square", "qwen3-8b"), default="square")
+    ap.add_argument("--capture", choices=("shared", "separate"), default="shared")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
@@ -68,6 +78,14 @@ def main(argv: list[str] | None = None) -> None:
     done = torch.cuda.Event()  # type: ignore[no-untyped-call]
     w = torch.randn(h, h, device="cuda", dtype=torch.bfloat16) / h**0.5
     x = torch.randn(64, h, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn(h, 3 * h, device="cuda", dtype=torch.bfloat16) / h**0.5
+    down = torch.randn(3 * h, h, device="cuda", dtype=torch.bfloat16) / (3 * h) ** 0.5
+    qwen = args.gemms == "qwen3-8b"
+
+    def mlp(y: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.nn.functional.silu(y @ up) @ down
+        return out
+
     dst = list(range(1, 2 * n, 2))  # scattered L1 pages, as the allocator leaves them
     ids = torch.tensor(dst, device="cuda")
 
@@ -76,21 +94,29 @@ def main(argv: list[str] | None = None) -> None:
         for layer in range(g.num_layers):
             events[layer].wait(torch.cuda.current_stream())
             kv = l1.slabs[layer].index_select(0, ids[:8]).float().mean()
-            y = (y @ w) * (1 + kv.to(y.dtype) * 0)  # reads this layer's landed pages
+            y = (mlp(y) if qwen else y @ w) * (1 + kv.to(y.dtype) * 0)  # reads this layer's landed pages
         return y
 
-    def capture(body: Any, stream: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        with torch.cuda.stream(stream):
+    decode_capture = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+    def capture(body: Any, stream: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        on = None if args.capture == "shared" else (side if stream is side else decode_capture)
+        with torch.cuda.stream(on or stream):
             body()  # warm-up
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=on):
             out = body()
-        return graph, out
+        graph.replay()
+        torch.cuda.synchronize()
+        return graph, out, out.clone()  # the output of a replay with nothing beside it
 
     transfer.h2d(list(range(n)), dst, layer_events=events).wait()  # first: allocations, autotune
-    layered_graph, _ = capture(layered_body, side)
-    decode_graphs = [capture(lambda: (x @ w) @ w, torch.cuda.current_stream())]
+    if qwen:
+        x = x[:6]
+    layered_graph, layered_out, layered_ref = capture(layered_body, side)
+    decode_graphs = [capture((lambda: mlp(x[:4])) if qwen else (lambda: (x @ w) @ w), torch.cuda.current_stream())]
+    wrong = 0
     main_stream = torch.cuda.current_stream()
 
     def state() -> str:
@@ -115,18 +141,27 @@ def main(argv: list[str] | None = None) -> None:
             done.record()
         for i in range(args.decodes):
             if not args.no_capture and i == 0 and r % args.capture_every == args.capture_every - 1:
-                rows = 8 + len(decode_graphs) % 56  # a new shape: a new graph, captured now
-                decode_graphs.append(capture(lambda rows=rows: (x[:rows] @ w) @ w, main_stream))
-            graph, _ = decode_graphs[(r + i) % len(decode_graphs)]
+                if qwen:
+                    rows = 1 + len(decode_graphs) % 5  # a new shape: a new graph, captured now
+                    decode_graphs.append(capture(lambda rows=rows: mlp(x[:rows]), main_stream))
+                else:
+                    rows = 8 + len(decode_graphs) % 56
+                    decode_graphs.append(capture(lambda rows=rows: (x[:rows] @ w) @ w, main_stream))
+            graph, out, ref = decode_graphs[(r + i) % len(decode_graphs)]
             graph.replay()
             poll(f"decode replay {i} of round {r}", main_stream, args.deadline_s, state)
+            wrong += not torch.equal(out, ref)
         poll(f"the H2D of round {r}", ticket.event, args.deadline_s, state)
         assert ticket.wait()
         main_stream.wait_stream(side)  # the join
         poll(f"the join of round {r}", main_stream, args.deadline_s, state)
+        wrong += not torch.equal(layered_out, layered_ref)
         if r % 50 == 49:
-            print(f"round {r + 1}: {time.perf_counter() - t0:.1f} s", flush=True)
-    print(f"no stall in {args.rounds} rounds ({len(decode_graphs)} decode graphs), {time.perf_counter() - t0:.1f} s")
+            print(f"round {r + 1}: {time.perf_counter() - t0:.1f} s, {wrong} outputs differ so far", flush=True)
+    print(
+        f"no stall in {args.rounds} rounds ({len(decode_graphs)} decode graphs, {args.gemms} GEMMs, "
+        f"{args.capture} capture), {time.perf_counter() - t0:.1f} s; {wrong} outputs differ from their replay alone"
+    )
 
 
 if __name__ == "__main__":

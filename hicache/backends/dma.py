@@ -66,3 +66,20 @@ def copy_rows_raw(dst: int, dpitch: int, src: int, spitch: int, width: int, rows
     (err,) = _rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, _H2D, stream.cuda_stream)
     if err != _OK:
         raise RuntimeError(f"cudaMemcpy2DAsync failed: {err!r}")
+
+
+def new_stream(device: torch.device) -> Any:
+    """A CUDA stream of its own (``torch.cuda.ExternalStream``, non-blocking), or ``None``
+    without cuda-python. ``torch.cuda.Stream()`` hands out one of a fixed pool of streams in
+    turn, so two of them can be the same stream; and torch keys the cuBLAS workspace by
+    stream, so two graphs captured on one stream share it.
+
+    NOTE: never destroyed: torch's caching allocator keeps blocks (and records events) by
+    stream for as long as the process lives; keep it for reuse instead."""
+    if not AVAILABLE:
+        return None
+    with torch.cuda.device(device):
+        err, handle = _rt.cudaStreamCreateWithFlags(_rt.cudaStreamNonBlocking)
+    if err != _OK:
+        raise RuntimeError(f"cudaStreamCreateWithFlags failed: {err!r}")
+    return torch.cuda.ExternalStream(int(handle), device=device)  # type: ignore[no-untyped-call]

@@ -478,8 +478,10 @@ class Engine:
         }
 
     def close(self) -> None:
-        """Abort everything in flight, then close the cache (drains its transfers)."""
+        """Abort everything in flight, then close the cache (drains its transfers) and the
+        model runner (releases its streams)."""
         for rid in [s.id for s in self._waiting] + list(self._active):
             self.abort(rid)
         self._finished.clear()
         self.cache.close()
+        self.runner.close()

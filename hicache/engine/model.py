@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hicache.backends import dma
 from hicache.backends.pools import DevicePool
 from hicache.core.geometry import KVGeometry
 from hicache.engine import attention as paged
 from hicache.engine.attention import visible as visible  # re-exported: the mask rule lives with the kernel
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, MisuseError
 
 ATTENTION = "hicache_paged"
 AttentionImpl = Literal["auto", "paged", "gqa", "fold"]
@@ -237,6 +238,16 @@ class ModelRunner:
     the next layered restore only when it is not). On CPU the events are empty and the
     forward is an ordinary one. ``layer_groups`` (the transfer's ``layer_groups()``) lets the
     layers that land together share one event (fewer records on the copy's path).
+
+    NOTE: torch hands each graph the cuBLAS workspace of the stream it was captured on, and
+    a GEMM of a few rows over a wide matrix (split-K) uses that workspace; two graphs
+    captured on one stream and replayed at once on two streams share it. That hung the
+    H200 with a layered prefill beside decode batches (Qwen3-8B, session 7; torch's one
+    default capture stream). So the runner captures on streams of its own: the layered
+    graphs on the side stream they replay on, the others on ``_capture_stream``; both made with
+    :func:`hicache.backends.dma.new_stream` where cuda-python allows (torch's pooled streams
+    can be the same stream; the fallback gives the side stream the high-priority pool).
+    :meth:`close` hands them on to the next runner (a runner dropped without it keeps them).
     """
 
     def __init__(
@@ -281,6 +292,7 @@ class ModelRunner:
         self._capture_backends = _ALL_BACKENDS if cuda and cudnn == "graphs" else None
         self.layer_events: tuple[Any, ...] = ()
         self._side: Any = None
+        self._capture_stream: Any = None  # where the other graphs are captured
         self._layered_done: Any = None
         layers = pool.geometry.num_layers
         groups = layer_groups or [(x, x + 1) for x in range(layers)]
@@ -292,8 +304,25 @@ class ModelRunner:
             self.layer_events = tuple(e for e, (lo, hi) in zip(shared, groups, strict=True) for _ in range(lo, hi))
             for event in shared:
                 event.record()  # a wait on a never-recorded event is not allowed in a capture
-            self._side = torch.cuda.Stream(device=pool.device)  # type: ignore[no-untyped-call]
+            self._side = _own_stream(pool.device, priority=-1)
+            self._capture_stream = _own_stream(pool.device, priority=0)
             self._layered_done = make()
+        self.closed = False
+
+    def close(self) -> None:
+        """Wait for the runner's work, drop its graphs and hand its streams on to the next
+        runner (a forward after this raises)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._side is not None:
+            self._side.synchronize()
+            self._capture_stream.synchronize()
+        self.graphs_enabled = False
+        self._graphs.clear()  # NOTE: first: no graph captured on the streams outlives this
+        for stream in (self._side, self._capture_stream):
+            if isinstance(stream, torch.cuda.ExternalStream):
+                _SPARE_STREAMS.setdefault(stream.device_index, []).append(stream)
 
     @property
     def layered_busy(self) -> bool:
@@ -336,6 +365,8 @@ class ModelRunner:
         ``pages`` cover ``[0, cached_len + len(new_tokens))``. Returns ``[B, vocab]``.
         ``layered``: the cached pages are still landing (see the class docstring); the
         logits are then not ready until :meth:`join_layered`."""
+        if self.closed:
+            raise MisuseError("forward on a closed model runner")
         with contextlib.nullcontext() if self._backends is None else sdpa_kernel(self._backends):
             if not layered or self._side is None:
                 return self._forward(seqs, False)
@@ -457,6 +488,20 @@ class ModelRunner:
         return graph
 
 
+_SPARE_STREAMS: dict[int, list[Any]] = {}  # by device index: streams of closed runners
+
+
+def _own_stream(device: torch.device, priority: int) -> Any:
+    """A stream no other open runner uses (see ModelRunner's note on the cuBLAS workspace):
+    a closed runner's, or a new one (``dma.new_stream``); without cuda-python one of torch's
+    pooled streams (``priority`` picks the pool)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    spare = _SPARE_STREAMS.get(index)
+    if spare:
+        return spare.pop()
+    return dma.new_stream(torch.device("cuda", index)) or torch.cuda.Stream(device, priority=priority)  # type: ignore[no-untyped-call]
+
+
 def _logits(net: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
     out = net(input_ids=ids, position_ids=pos, use_cache=False, hicache_batch=batch, logits_to_keep=1)
     logits: torch.Tensor = out.logits[:, -1]
@@ -495,12 +540,16 @@ class _Graph:
         return self.out.clone()
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        # NOTE: on the runner's own streams, never torch's default capture stream (the
+        # cuBLAS workspace: see ModelRunner); the warm-up runs there too, so no other
+        # stream touches that workspace.
+        on = self.runner._side if self.layered else self.runner._capture_stream
+        caller = torch.cuda.current_stream()
+        on.wait_stream(caller)
+        with torch.cuda.stream(on):
             self._body()  # warm-up: lazy initialisation stays out of the graph
-        torch.cuda.current_stream().wait_stream(side)
+        caller.wait_stream(on)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        with torch.cuda.graph(graph, pool=self.mempool, stream=on):
             self.out = self._body()
         self.graph = graph

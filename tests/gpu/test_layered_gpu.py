@@ -210,6 +210,8 @@ def test_a_layered_restore_beside_decoding_changes_no_output() -> None:
         e = Engine("tiny", device="cuda", page_size=16, num_pages=256, enable_hicache=True, l2_pages=256,
                    policy="always", max_batch=8, layered_restore=layered)  # fmt: skip
         e.generate(prefix)
+        drop_l1(e, garbage=False)
+        e.generate([*prefix, 1, 2, 3])  # the restore's graph is captured now (a capture waits for the GPU)
         drop_l1(e, garbage=False)  # the decoders' pages come next: no noise
         ids = [e.submit(p, 24) for p in decoders]
         while e.stats.decode_batches < 2:  # all three prefilled and decoding
@@ -227,6 +229,47 @@ def test_a_layered_restore_beside_decoding_changes_no_output() -> None:
 
     on_tokens, on_logits, used = run(True)
     off_tokens, off_logits, _ = run(False)
-    assert used == 1
+    assert used == 2
     assert on_tokens == off_tokens
     assert torch.equal(on_logits, off_logits)
+
+
+@pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
+def test_graphs_are_captured_on_the_runners_own_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch keys the cuBLAS workspace by the stream a graph is captured on: a layered graph
+    and a decode graph captured on one stream and replayed at once would share it. The
+    layered graphs are captured on the runner's side stream, the others on its capture
+    stream; both are the runner's own (not another open runner's, nor any stream torch's
+    pool hands out), and :meth:`Engine.close` hands them on to the next runner."""
+    captured: list[tuple[int, bool]] = []  # (stream, layered)
+    real = torch.cuda.graph
+
+    def spy(graph: Any, pool: Any = None, stream: Any = None, **kwargs: Any) -> Any:
+        assert stream is not None, "captured on torch's default capture stream"
+        captured.append((stream.cuda_stream, torch.cuda.current_stream().cuda_stream == side))
+        return real(graph, pool=pool, stream=stream, **kwargs)
+
+    def make() -> Engine:
+        return Engine("tiny", device="cuda", page_size=16, num_pages=256, enable_hicache=True, l2_pages=256,
+                      policy="always", layered_restore=True)  # fmt: skip
+
+    engines = [make(), make()]
+    e = engines[0]
+    side, capture = e.runner._side.cuda_stream, e.runner._capture_stream.cuda_stream
+    mine = [s.cuda_stream for x in engines for s in (x.runner._side, x.runner._capture_stream)]
+    pooled = {torch.cuda.Stream(priority=p).cuda_stream for p in (0, -1) for _ in range(40)}  # type: ignore[no-untyped-call]
+    assert len(set(mine)) == 4 and not set(mine) & pooled
+    monkeypatch.setattr(torch.cuda, "graph", spy)
+    rng = random.Random(5)
+    prompt = [rng.randrange(512) for _ in range(100)]
+    e.generate(prompt, max_new_tokens=3)  # decode graphs
+    drop_l1(e, garbage=False)
+    out = e.generate([*prompt, 7], max_new_tokens=1)  # a layered graph
+    assert out.restored_from == "L2" and e.stats.layered_used == 1
+    assert {s for s, layered in captured if layered} == {side}
+    assert {s for s, layered in captured if not layered} == {capture}
+    engines[1].close()  # its streams go to the next runner, none to a runner still open
+    third = make()
+    assert {third.runner._side.cuda_stream, third.runner._capture_stream.cuda_stream} == set(mine[2:])
+    for x in (e, third):
+        x.close()
