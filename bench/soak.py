@@ -307,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         "rss_timeline": timeline,
         "rss_growth_after_last_capture_bytes": rss_after_capture(timeline, final["rss_bytes"]),
         "graphs_captured": engine.runner.graphs_captured,
+        "layered": {
+            "enabled": engine.layered,
+            "prefills": engine.stats.layered_prefills,
+            "used": engine.stats.layered_used,
+        },
         "objects_grown": dict(grown),
         "cpu_tensor_bytes": [cpu_tensor_bytes0, cpu_tensor_bytes1],
         "leaks": leaks,
@@ -328,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         print(f"  {k:<22} {row[k]}")
     print(f"  {'served from':<22} {by_source}")
+    lay = row["layered"]
+    used = f"{lay['prefills']} launched, {lay['used']} served" if lay["enabled"] else "off"
+    print(f"  {'layered restores':<22} {used}")
     print(f"  {'faults consumed':<22} {row['faults_consumed']}")
     print(f"  {'transfers failed':<22} {row['transfers_failed']}")
     for k, v in final.items():
