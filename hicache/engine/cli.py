@@ -63,9 +63,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--hicache-layered-restore",
         choices=["auto", "on", "off"],
-        default="off",
+        default="auto",
         help="start an L2 restore's prefill at once, each layer waiting only for its own pages to land; "
-        "auto: on with CUDA and cuda-python. Off by default: it hung beside concurrent decoding on the H200",
+        "auto: on with CUDA and cuda-python",
     )
     d = CostPriors()
     h.add_argument("--hicache-prior-recompute-us", type=float, default=d.recompute_s_per_token * 1e6)

@@ -241,9 +241,10 @@ class ModelRunner:
 
     NOTE: torch hands each graph the cuBLAS workspace of the stream it was captured on, and
     a GEMM of a few rows over a wide matrix (split-K) uses that workspace; two graphs
-    captured on one stream and replayed at once on two streams share it. That hung the
-    H200 with a layered prefill beside decode batches (Qwen3-8B, session 7; torch's one
-    default capture stream). So the runner captures on streams of its own: the layered
+    captured on one stream and replayed at once on two streams share it: on the H200 a
+    layered prefill beside decode batches hung (Qwen3-8B), and the same GEMMs in two such
+    graphs gave other outputs in 65 of 1,200 replays (``bench/layered_hang_min.py --gemms
+    qwen3-8b``; 0 with a stream each). So the runner captures on streams of its own: the layered
     graphs on the side stream they replay on, the others on ``_capture_stream``; both made with
     :func:`hicache.backends.dma.new_stream` where cuda-python allows (torch's pooled streams
     can be the same stream; the fallback gives the side stream the high-priority pool).
