@@ -13,6 +13,7 @@ Each kernel has a torch twin (``*_torch``): the fallback and the test oracle.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -250,3 +251,29 @@ def load_layers_triton(
         BLOCK=block,
         num_warps=4 if block <= 1024 else 8,
     )
+
+
+def warm_load_layers(dst: torch.Tensor, groups: Sequence[tuple[int, int]], *, programs: int | None = None) -> int:
+    """Compile every variant of :func:`load_layers_triton` that a layered H2D into ``dst``
+    (L1's slabs, ``[S, P, E]``) by ``groups`` of layers can launch; returns the launches.
+
+    Triton specializes integer arguments on divisibility by 16 (and on equality to 1), so
+    the first launch with a new row count (``2 * pages * layers``) may compile afresh, on
+    the host, between the copy's timing events: a transfer's cost sample then holds a
+    compile (the likely reason why, with the layered restore on, an H200 soak's cost policy
+    restored 1 of 6,096 requests: a 1 s sample rules restores out). Each group is
+    launched with 1 page and with 8 (row counts ``2 * count`` and ``16 * count``: both
+    residues) from a packed workspace into a scratch pool of ``dst``'s layout whose page
+    count specializes as ``P`` does. ``dst`` is never written."""
+    s, p, e = dst.shape
+    pages = p if p <= 17 else (16 if p % 16 == 0 else 17)
+    scratch = torch.empty((s, pages, e), dtype=dst.dtype, device=dst.device)
+    sizes = sorted({1, min(8, pages)})
+    src = torch.zeros((sizes[-1], s, e), dtype=dst.dtype, device=dst.device)
+    launches = 0
+    for layers in groups:
+        for n in sizes:
+            ids = torch.arange(n, device=dst.device)
+            load_layers_triton(src[:n], ids, scratch, ids, layers, programs=programs)
+            launches += 1
+    return launches

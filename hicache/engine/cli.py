@@ -63,9 +63,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--hicache-layered-restore",
         choices=["auto", "on", "off"],
-        default="auto",
+        default="off",
         help="start an L2 restore's prefill at once, each layer waiting only for its own pages to land; "
-        "auto: on with CUDA and cuda-python",
+        "auto: on with CUDA and cuda-python. Off by default until an H200 soak confirms the cost policy "
+        "keeps restoring with it (README)",
     )
     d = CostPriors()
     h.add_argument("--hicache-prior-recompute-us", type=float, default=d.recompute_s_per_token * 1e6)

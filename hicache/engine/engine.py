@@ -8,8 +8,9 @@ One scheduler thread owns everything. Each :meth:`Engine.step`:
 2. admits waiting requests up to ``max_batch``: match, pin the L1 hit, ask the cost model
    (``plan``); a restore from L2/L3 is *started* and the request parks until it is published
    (with ``prefetch=False`` the restore blocks here instead, the seed's baseline). A
-   *layered* restore (``layered_restore``; by default, ``None``, wherever CUDA and
-   cuda-python allow) also launches the request's prefill at once, on its own stream
+   *layered* restore (``layered_restore``; opt-in until an H200 soak confirms that the cost
+   policy keeps restoring with it, see README; ``None``: wherever CUDA and cuda-python
+   allow) also launches the request's prefill at once, on its own stream
    (see :class:`~hicache.engine.model.ModelRunner`): each layer waits only for
    its own pages to land, so the forward runs beside the copy. Its logits are held until
    the restore is published (a failed restore discards them and the request recomputes);
@@ -133,7 +134,7 @@ class Engine:
         attention: AttentionImpl = "auto",
         cudnn: CudnnUse = "off",
         verify_pages: bool = False,
-        layered_restore: bool | None = None,
+        layered_restore: bool | None = False,
         seed: int = 0,
         net: torch.nn.Module | None = None,
     ) -> None:

@@ -3,6 +3,8 @@ CPU), on random data, odd shapes and every supported dtype."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -98,3 +100,30 @@ def test_layer_ranged_load_refuses_bad_arguments() -> None:
         kernels.load_layers_triton(src.half(), ids, dst, ids, (0, 1))
     with pytest.raises(ConfigError, match=r"\[P2, S, E\]"):
         kernels.load_layers_triton(src[:, :4], ids, dst, ids, (0, 1))
+
+
+@pytest.mark.parametrize("pool_pages", [5, 32, 40])
+def test_warming_the_layered_load_launches_each_group_at_both_row_residues(
+    monkeypatch: pytest.MonkeyPatch, pool_pages: int
+) -> None:
+    """Every group is launched with 1 page and with up to 8 (Triton specializes the row
+    count by divisibility by 16), into a scratch pool whose page count is divisible by 16
+    exactly when the real pool's is; the real pool is never written."""
+    calls: list[tuple[tuple[int, int], int, int]] = []  # (layers, pages, scratch pool pages)
+    real = kernels.load_layers_triton
+
+    def spy(src: Any, ids: Any, dst: torch.Tensor, dst_ids: torch.Tensor, layers: Any, **kw: Any) -> None:
+        calls.append((layers, dst_ids.numel(), dst.shape[1]))
+        real(src, ids, dst, dst_ids, layers, **kw)
+
+    monkeypatch.setattr(kernels, "load_layers_triton", spy)
+    dst = torch.randn(2 * 6, pool_pages, 16).to(DEVICE)
+    before = dst.clone()
+    groups = [(0, 1), (1, 3), (3, 6)]
+    n = kernels.warm_load_layers(dst, groups, programs=2)
+    sizes = [1, min(8, pool_pages)]
+    assert n == len(calls) == len(groups) * len(sizes)
+    assert [(c[0], c[1]) for c in calls] == [(g, k) for g in groups for k in sizes]
+    scratch = {c[2] for c in calls}
+    assert len(scratch) == 1 and (scratch.pop() % 16 == 0) == (pool_pages % 16 == 0)
+    assert torch.equal(dst, before)

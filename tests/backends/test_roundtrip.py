@@ -199,3 +199,22 @@ def test_layer_groups_are_small_at_both_ends() -> None:
     assert torch.equal(l1.slabs[:, [3, 4]].transpose(0, 1), l2.slabs[[1, 2]])
     with pytest.raises(ConfigError, match="events for 36 layers"):
         TransferEngine(l1, l2, "torch").h2d([1], [3], layer_events=[object()])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_layered_engine_warms_its_scatter_before_any_h2d(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """With the layered H2D available and the Triton scatter chosen, the first transfer of
+    any direction compiles the layered scatter for every group (inside its setup), once; a
+    torch scatter needs nothing."""
+    warmed: list[list[tuple[int, int]]] = []
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+
+    def warm(dst: torch.Tensor, groups: list[tuple[int, int]], **kw: object) -> int:
+        warmed.append(list(groups))
+        return 0
+
+    monkeypatch.setattr(kernels, "warm_load_layers", warm)
+    eng = stack(2, torch.float32, backend=backend)[2]  # type: ignore[arg-type]
+    eng.d2h([0], [1]).wait()
+    eng.d2h([2], [3]).wait()
+    assert warmed == ([eng.layer_groups()] if backend == "triton" else [])
