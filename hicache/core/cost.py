@@ -27,6 +27,10 @@ More departures from §7, all for the ``n * s_r`` rule, which needs the slope it
 - A negative fitted slope leaves the recompute model at its prior slope (transfers keep
   §7's (mean, 0)): one graph-capturing prefill in the window did that on the H200, and for
   32 requests restores "saved nothing".
+- Two strikes for far-off samples (:class:`AffineCost`): one more than 10x the prediction
+  (and by over 50 ms) waits for the next sample to confirm it. On the H200, with the
+  layered restore, a soak restored 1 of 6,096 requests: most likely its first copy held a
+  Triton compile (~1 s), which as a sample ruled restores out for good.
 - Exploration: a source whose read direction has fewer than ``explore`` samples is tried
   (at most ``explore`` times) when no candidate wins on the priors, provided its predicted
   restore costs at most twice what it saves. Priors can be wrong by 2x (page-cached storage
@@ -71,6 +75,12 @@ class AffineCost:
     prior_slope: float
     fixed: float = 0.0
     window: int = 32
+    # Two strikes: a sample more than ``outlier_ratio`` times the prediction, and by more
+    # than ``outlier_min_s``, is held back until the next sample agrees (both enter) or not
+    # (it is dropped). One compile inside a timed copy (~1 s against ~2 ms) would otherwise
+    # rule restores out for good: the model would never restore again, so never learn.
+    outlier_ratio: float = 10.0
+    outlier_min_s: float = 0.05
     # A negative fitted slope: §7 says (mean, 0). For recompute, whose slope is what a
     # restore saves, a slope of 0 would say restores save nothing; it keeps its prior.
     negative_keeps_prior: bool = False
@@ -83,6 +93,8 @@ class AffineCost:
         self.slope = self.prior_slope
         self.samples = deque(maxlen=self.window)
         self._residual = self.fixed
+        self.held: tuple[float, float] | None = None  # a far-off sample awaiting a second
+        self.dropped = 0  # far-off samples the next one did not confirm
 
     def predict(self, size: float) -> float:
         return self.fixed + size * self.slope if size > 0 else 0.0
@@ -94,6 +106,18 @@ class AffineCost:
     def observe(self, size: float, seconds: float) -> None:
         if size <= 0 or seconds < 0:
             return
+        predicted = self.predict(size)
+        if seconds > self.outlier_ratio * predicted and seconds - predicted > self.outlier_min_s:
+            if self.held is None:
+                self.held = (size, seconds)
+                return
+            self._add(*self.held)  # a second one: the source really is that slow
+        elif self.held is not None:
+            self.dropped += 1
+        self.held = None
+        self._add(size, seconds)
+
+    def _add(self, size: float, seconds: float) -> None:
         self.samples.append((size, seconds))
         sizes = [s for s, _ in self.samples]
         largest = max(sizes)
@@ -124,7 +148,13 @@ class AffineCost:
         self.fixed, self.slope = fixed, slope
 
     def state(self) -> dict[str, float]:
-        return {"fixed_s": self.fixed, "slope": self.slope, "samples": float(len(self.samples))}
+        return {
+            "fixed_s": self.fixed,
+            "slope": self.slope,
+            "samples": float(len(self.samples)),
+            "held": float(self.held is not None),
+            "dropped": float(self.dropped),
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -186,6 +186,36 @@ def test_an_outlier_cannot_make_recompute_free() -> None:
     assert t.slope == 0.0
 
 
+def test_a_far_off_sample_waits_for_a_second_before_it_counts() -> None:
+    """A restore's first copy that held a ~1 s compile must not rule L2 out: the next,
+    normal copy drops it. A source that really is that slow counts from its second sample."""
+    m = CostModel(QWEN8B)
+    _rotation_prefills(m)
+    nbytes = 350 * QWEN8B
+    m.observe_transfer(Direction.H2D, nbytes, 1.0)  # a compile inside the timed copy
+    h2d = m.transfer[Direction.H2D]
+    assert h2d.state()["held"] == 1 and not h2d.samples
+    assert m.decide(0, 350, 0).tier is Tier.L2
+    m.observe_transfer(Direction.H2D, nbytes, nbytes / (40 * GiB))
+    assert h2d.state()["held"] == 0 and h2d.dropped == 1 and len(h2d.samples) == 1
+    assert h2d.predict(nbytes) == pytest.approx(nbytes / (40 * GiB)) and m.decide(0, 350, 0).tier is Tier.L2
+
+    slow = CostModel(QWEN8B)
+    _rotation_prefills(slow)
+    for _ in range(2):
+        slow.observe_transfer(Direction.H2D, nbytes, 1.0)
+    read = slow.transfer[Direction.H2D]
+    assert list(read.samples) == [(nbytes, 1.0)] * 2 and read.dropped == 0
+    assert slow.decide(0, 350, 0).tier is Tier.L1
+
+
+def test_a_far_off_sample_needs_both_the_ratio_and_the_excess() -> None:
+    """A few milliseconds over a sub-millisecond prediction is noise, not an outlier."""
+    a = AffineCost(prior_slope=1e-6)
+    a.observe(100, 0.02)  # 200x the 0.1 ms prediction, but only 20 ms over it
+    assert a.held is None and len(a.samples) == 1
+
+
 def test_window_is_32() -> None:
     a = AffineCost(prior_slope=1.0)
     for i in range(100):
