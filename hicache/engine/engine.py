@@ -480,7 +480,7 @@ class Engine:
 
     def close(self) -> None:
         """Abort everything in flight, then close the cache (drains its transfers) and the
-        model runner (releases its streams)."""
+        model runner (hands its CUDA streams on to the next engine's)."""
         for rid in [s.id for s in self._waiting] + list(self._active):
             self.abort(rid)
         self._finished.clear()

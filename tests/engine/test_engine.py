@@ -83,6 +83,9 @@ def test_restored_requests_give_the_l1_hit_logits_exactly() -> None:
     assert first.tokens == l1.tokens
     e.cache.check_integrity()
     e.close()
+    with pytest.raises(MisuseError, match="closed"):  # the runner's streams may serve another engine now
+        e.runner.forward([([1], [0], 0)])
+    e.close()  # twice is harmless
 
 
 def test_layered_restore_serves_l1_hit_logits_and_a_torn_restore_recomputes() -> None:
