@@ -5,7 +5,8 @@
 # attnprobe (attention backends: memory per shape, speed of a tail call and a decode call), attention8b (ATTN_VARIANTS, default 6 attention variants, ~1.1 min each), latency4b, stress8b, stress4b (STRESS_REPEATS, default 3: ~7.5 min each), soak (SOAK_MINUTES, default 5),
 # layered8b (LAYERED_VARIANTS, default off on: ~1.1 min each), hangprobe (the layered restore beside decoding, ~2 min), fwdprofile (kernels of a restored tail's forward by kind), layerload (layer-by-layer H2D ways), soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
 # latency8b, latency8b-quick and latency4b run with --hicache-layered-restore ${LAYERED:-on} (the README tables);
-# stress8b, stress4b and soak with the engine's default unless LAYERED is set.
+# stress8b, stress4b, soak and soakrestores (policy always, smaller L1: restores throughout) with the
+# engine's default unless LAYERED is set.
 # Results go to $OUT (default bench/results). stress and soak phases stop after PHASE_TIMEOUT s (570), so a
 # hang leaves the device call time to return what it wrote (stress phases tee their log to $OUT).
 set -uo pipefail
@@ -78,6 +79,10 @@ for phase in "$@"; do
         (cd bench && timeout 300 python3 layered_hang_probe.py --model qwen3-8b --requests 40 $v --out "$OUT" \
           --tag h200-hangprobe > "$log" 2>&1); grep -v "it/s\]" "$log" | tail -12
       done ;;
+    soakrestores)  # restores on every request a prefix allows (policy always, smaller L1), ~3 min
+      timeout -k 10 "${PHASE_TIMEOUT:-570}" python3 bench/soak.py --model qwen3-4b --device cuda --minutes "${SOAK_MINUTES:-2.5}" \
+        --num-pages 900 --hicache-policy always ${LAYERED:+--hicache-layered-restore "$LAYERED"} --out "$OUT" \
+        --tag h200-restores${LAYERED:+-layered-$LAYERED} 2>&1 | grep -v "it/s\]" | tail -28 ;;
     soak) timeout -k 10 "${PHASE_TIMEOUT:-570}" python3 bench/soak.py --model qwen3-4b --device cuda --minutes "${SOAK_MINUTES:-5}" ${LAYERED:+--hicache-layered-restore "$LAYERED"} --out "$OUT" 2>&1 | tail -25 ;;
   esac
 done
