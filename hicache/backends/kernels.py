@@ -261,7 +261,7 @@ def warm_load_layers(dst: torch.Tensor, groups: Sequence[tuple[int, int]], *, pr
     the first launch with a new row count (``2 * pages * layers``) may compile afresh, on
     the host, between the copy's timing events: a transfer's cost sample then holds a
     compile (the likely reason why, with the layered restore on, an H200 soak's cost policy
-    restored 1 of 6,096 requests: a 1 s sample rules restores out). Each group is
+    restored 1 of 6,101 requests: a 1 s sample rules restores out). Each group is
     launched with 1 page and with 8 (row counts ``2 * count`` and ``16 * count``: both
     residues) from a packed workspace into a scratch pool of ``dst``'s layout whose page
     count specializes as ``P`` does. ``dst`` is never written."""

@@ -29,7 +29,7 @@ More departures from §7, all for the ``n * s_r`` rule, which needs the slope it
   32 requests restores "saved nothing".
 - Two strikes for far-off samples (:class:`AffineCost`): one more than 10x the prediction
   (and by over 50 ms) waits for the next sample to confirm it. On the H200, with the
-  layered restore, a soak restored 1 of 6,096 requests: most likely its first copy held a
+  layered restore, a soak restored 1 of 6,101 requests: most likely its first copy held a
   Triton compile (~1 s), which as a sample ruled restores out for good.
 - Exploration: a source whose read direction has fewer than ``explore`` samples is tried
   (at most ``explore`` times) when no candidate wins on the priors, provided its predicted
