@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefills": engine.stats.layered_prefills,
             "used": engine.stats.layered_used,
         },
+        "cost_model": engine.cache.cost.state(),
         "objects_grown": dict(grown),
         "cpu_tensor_bytes": [cpu_tensor_bytes0, cpu_tensor_bytes1],
         "leaks": leaks,
@@ -336,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     lay = row["layered"]
     used = f"{lay['prefills']} launched, {lay['used']} served" if lay["enabled"] else "off"
     print(f"  {'layered restores':<22} {used}")
+    cost = row["cost_model"]
+    print(f"  {'cost model':<22} policy {cost['policy']}, explored {cost['explored']}")
+    for d in ("H2D", "S2H", "D2H", "H2S"):
+        if d in cost:
+            print(f"  {'  ' + d:<22} {cost[d]}")
     print(f"  {'faults consumed':<22} {row['faults_consumed']}")
     print(f"  {'transfers failed':<22} {row['transfers_failed']}")
     for k, v in final.items():
