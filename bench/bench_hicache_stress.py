@@ -111,7 +111,18 @@ def rotate(
     steps = {
         k: round(v - steps0[k], 6) if isinstance(v, float) else v - steps0[k]
         for k, v in dataclasses.asdict(engine.stats).items()
-        if k in ("prefills", "prefill_s", "decode_batches", "decode_s", "decode_s_while_restoring", "idle_polls")
+        if k
+        in (
+            "prefills",
+            "prefill_s",
+            "decode_batches",
+            "decode_s",
+            "decode_s_while_restoring",
+            "prefill_s_while_restoring",
+            "idle_s_while_restoring",
+            "restore_issue_s",
+            "idle_polls",
+        )
     }
     decode_tokens = engine.stats.decode_tokens - start_decode
     engine.cache.drain()
@@ -262,6 +273,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 f"{st['idle_polls'] / n:.1f} idle polls; wall {r['wall_s'] / n * 1e3:.1f} ms; "
                 f"TTFT mean {r['ttft_ms_mean']:.1f} / max {max(r['ttft_ms']):.1f} ms"
             )
+            k = r["served_from"]["L2"] + r["served_from"]["L3"]
+            if k and r["restore_s"]:  # a restore's pending time: what ran meanwhile (ms per restore)
+                parts = {
+                    "decode": st["decode_s_while_restoring"],
+                    "other prefills": st["prefill_s_while_restoring"],
+                    "starting it": st["restore_issue_s"],
+                    "idle": st["idle_s_while_restoring"],
+                }
+                rest = r["restore_s"] - sum(parts.values())
+                print(
+                    f"    pending {r['restore_s'] / k * 1e3:.1f} ms per restore: "
+                    + ", ".join(f"{name} {v / k * 1e3:.1f}" for name, v in parts.items())
+                    + f", the rest {rest / k * 1e3:.1f} (polls, joins, first tokens)"
+                )
     path = write_results(args.out, f"bench_hicache_stress-{args.model}", args.device, meta, rows, args.tag)
     plot(rows, path, f"{args.model} on {device_name(args.device)}")
     print(f"wrote {path}.json and .png")

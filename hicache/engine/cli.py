@@ -63,10 +63,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--hicache-layered-restore",
         choices=["auto", "on", "off"],
-        default="off",
+        default="auto",
         help="start an L2 restore's prefill at once, each layer waiting only for its own pages to land; "
-        "auto: on with CUDA and cuda-python. Off by default until an H200 soak confirms the cost policy "
-        "keeps restoring with it (README)",
+        "auto (default): on with CUDA and cuda-python, off elsewhere and with --disable-hicache-prefetch",
     )
     d = CostPriors()
     h.add_argument("--hicache-prior-recompute-us", type=float, default=d.recompute_s_per_token * 1e6)

@@ -8,9 +8,9 @@ One scheduler thread owns everything. Each :meth:`Engine.step`:
 2. admits waiting requests up to ``max_batch``: match, pin the L1 hit, ask the cost model
    (``plan``); a restore from L2/L3 is *started* and the request parks until it is published
    (with ``prefetch=False`` the restore blocks here instead, the seed's baseline). A
-   *layered* restore (``layered_restore``; opt-in until an H200 soak confirms that the cost
-   policy keeps restoring with it, see README; ``None``: wherever CUDA and cuda-python
-   allow) also launches the request's prefill at once, on its own stream
+   *layered* restore (``layered_restore``; the default ``None`` turns it on wherever CUDA
+   and cuda-python allow, ``False`` turns it off) also launches the request's prefill at
+   once, on its own stream
    (see :class:`~hicache.engine.model.ModelRunner`): each layer waits only for
    its own pages to land, so the forward runs beside the copy. Its logits are held until
    the restore is published (a failed restore discards them and the request recomputes);
@@ -101,6 +101,10 @@ class EngineStats:
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_s_while_restoring: float = 0.0
+    # Where a pending restore's time goes besides decode (the overlap metric counts decode only):
+    prefill_s_while_restoring: float = 0.0  # other requests' prefills, run in decode's place
+    idle_s_while_restoring: float = 0.0  # nothing else to run: waiting for the copy
+    restore_issue_s: float = 0.0  # host time starting restores (and launching layered prefills)
     restores_started: int = 0
     restores_failed: int = 0
     layered_prefills: int = 0  # launched beside their restore's copy
@@ -134,7 +138,7 @@ class Engine:
         attention: AttentionImpl = "auto",
         cudnn: CudnnUse = "off",
         verify_pages: bool = False,
-        layered_restore: bool | None = False,
+        layered_restore: bool | None = None,
         seed: int = 0,
         net: torch.nn.Module | None = None,
     ) -> None:
@@ -241,23 +245,29 @@ class Engine:
         ready = next((s for s in self._active.values() if s.state == "ready"), None)
         decoding = [s for s in self._active.values() if s.state == "decoding"]
         ran = False
+        restoring = any(s.state == "restoring" for s in self._active.values())
         if ready is not None and not (decoding and self._prefills_in_row >= self.prefills_before_decode):
+            t0 = time.perf_counter()
             ran = self._prefill(ready)
             self._prefills_in_row += ran
+            if ran and restoring:
+                self.stats.prefill_s_while_restoring += time.perf_counter() - t0
         if not ran:
             if decoding:
-                self._decode(decoding)
+                self._decode(decoding, restoring)
                 self._prefills_in_row = 0
-            elif ready is not None and not any(s.state == "restoring" for s in self._active.values()):
+            elif ready is not None and not restoring:
                 self._fail(ready, f"no room in L1 for a prompt of {len(ready.prompt)} tokens")
             elif self._active:
                 self.stats.idle_polls += 1
+                t0 = time.perf_counter()
                 if all(s.held is not None for s in self._active.values()):
                     # NOTE: only layered restores in flight, each with its forward queued
                     # behind its layers: wait for the GPU instead of polling every 50 us.
                     self.runner.wait_layered()
                 else:
                     time.sleep(50e-6)  # only restores in flight: let the copy engine / disk work
+                self.stats.idle_s_while_restoring += time.perf_counter() - t0
         done, self._finished = self._finished, []
         return done
 
@@ -307,6 +317,7 @@ class Engine:
         seq.state = "restoring"
         if seq.restore.layered:
             self._launch_layered(seq)
+        self.stats.restore_issue_s += time.perf_counter() - seq.restore_started
 
     def _launch_layered(self, seq: _Seq) -> None:
         """Allocate ``seq``'s own pages and launch its prefill over the prefix still landing."""
@@ -419,8 +430,7 @@ class Engine:
         if len(seq.out) >= seq.max_new:
             self._complete(seq)
 
-    def _decode(self, seqs: list[_Seq]) -> None:
-        restoring = any(s.state == "restoring" for s in self._active.values())
+    def _decode(self, seqs: list[_Seq], restoring: bool) -> None:
         t0 = time.perf_counter()
         batch = [([s.out[-1]], s.pages, len(s.prompt) + len(s.out) - 1) for s in seqs]
         tokens = self.runner.forward(batch).argmax(-1).tolist()  # waits for the GPU
