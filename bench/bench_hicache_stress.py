@@ -121,6 +121,8 @@ def rotate(
             "prefill_s_while_restoring",
             "idle_s_while_restoring",
             "restore_issue_s",
+            "layered_launch_s",
+            "layered_prefills",
             "idle_polls",
         )
     }
@@ -287,6 +289,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     + ", ".join(f"{name} {v / k * 1e3:.1f}" for name, v in parts.items())
                     + f", the rest {rest / k * 1e3:.1f} (polls, joins, first tokens)"
                 )
+                if st["layered_prefills"]:
+                    launch = st["layered_launch_s"] / st["layered_prefills"] * 1e3
+                    print(f"    starting it: {launch:.1f} ms per layered prefill launch, the rest starts the copy")
     path = write_results(args.out, f"bench_hicache_stress-{args.model}", args.device, meta, rows, args.tag)
     plot(rows, path, f"{args.model} on {device_name(args.device)}")
     print(f"wrote {path}.json and .png")

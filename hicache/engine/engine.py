@@ -105,6 +105,7 @@ class EngineStats:
     prefill_s_while_restoring: float = 0.0  # other requests' prefills, run in decode's place
     idle_s_while_restoring: float = 0.0  # nothing else to run: waiting for the copy
     restore_issue_s: float = 0.0  # host time starting restores (and launching layered prefills)
+    layered_launch_s: float = 0.0  # the part of it launching layered prefills
     restores_started: int = 0
     restores_failed: int = 0
     layered_prefills: int = 0  # launched beside their restore's copy
@@ -336,6 +337,7 @@ class Engine:
         seq.held_prefix = restore.pages[: cached // ps]
         seq.held = self.runner.forward([(prompt[cached:], seq.held_prefix + own, cached)], layered=True)[0]
         self.stats.layered_prefills += 1
+        self.stats.layered_launch_s += time.perf_counter() - t0
 
     def _restored(self, restore: PendingRestore) -> None:
         seq = self._active.get(self._by_request(restore.request))
