@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 from hicache.backends.pools import DevicePool
+from hicache.backends.transfer import TransferEngine
 from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
 from hicache.engine.attention import HAVE_TRITON
+from hicache.engine.cli import add_engine_args
 from hicache.engine.model import AttentionImpl, PagedBatch, _folded, fold_mask, resolve_attention, visible
 from hicache.errors import ConfigError, MisuseError
 from hicache.spec.model import Tier
@@ -199,6 +202,12 @@ def test_decode_overlaps_a_pending_restore_and_abort_mid_restore_leaks_nothing()
     assert len(got[long].tokens) == 40
     assert e.stats.decode_s_while_restoring > 0
     assert e.cache.metrics.restore_overlapped_s > 0
+    # The pending restore's time is split: it started (host issue), then the engine decoded or,
+    # with nothing to decode, waited; the 0.3 s read dominates, so those parts cover most of it.
+    st = e.stats
+    assert 0 < st.restore_issue_s < e.cache.metrics.restore_s and st.layered_launch_s == 0
+    assert st.decode_s_while_restoring <= st.decode_s
+    assert st.decode_s_while_restoring + st.idle_s_while_restoring > 0.5 * e.cache.metrics.restore_s
     # Abort mid-restore: nothing leaks, the restore completes into the tree.
     e.cache.core.evict(Tier.L1, 10**6)
     e.cache.core.evict(Tier.L2, 10**6)
@@ -214,6 +223,27 @@ def test_decode_overlaps_a_pending_restore_and_abort_mid_restore_leaks_nothing()
     assert e.cache.core.match(a).lengths[1] == 40  # the abandoned S2H landed in L2, with the tree
     e.cache.check_integrity()
     e.close()
+
+
+def test_the_layered_restore_is_on_by_default_where_the_copy_can_signal_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``layered_restore=None`` (the default, CLI ``auto``) follows the transfer engine's
+    ``layered`` (CUDA with cuda-python); without prefetch or hicache it stays off."""
+    e = engine()
+    assert e.layered is False  # CPU: the copy cannot signal layers
+    e.close()
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+    for kw, want in (({}, True), ({"prefetch": False}, False), ({"enable_hicache": False}, False)):
+        e = engine(**kw)
+        assert e.layered is want, kw
+        e.close()
+    e = engine(layered_restore=False)
+    assert e.layered is False
+    e.close()
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    assert ap.parse_args([]).hicache_layered_restore == "auto"
 
 
 def test_blocking_mode_serves_the_same_tokens() -> None:
