@@ -204,10 +204,10 @@ def test_decode_overlaps_a_pending_restore_and_abort_mid_restore_leaks_nothing()
     assert e.cache.metrics.restore_overlapped_s > 0
     # The pending restore's time is split: it started (host issue), then the engine decoded or,
     # with nothing to decode, waited; the 0.3 s read dominates, so those parts cover most of it.
-    st = e.stats
-    assert 0 < st.restore_issue_s < e.cache.metrics.restore_s and st.layered_launch_s == 0
-    assert st.decode_s_while_restoring <= st.decode_s
-    assert st.decode_s_while_restoring + st.idle_s_while_restoring > 0.5 * e.cache.metrics.restore_s
+    es = e.stats
+    assert 0 < es.restore_issue_s < e.cache.metrics.restore_s and es.layered_launch_s == 0
+    assert es.decode_s_while_restoring <= es.decode_s
+    assert es.decode_s_while_restoring + es.idle_s_while_restoring > 0.5 * e.cache.metrics.restore_s
     # Abort mid-restore: nothing leaks, the restore completes into the tree.
     e.cache.core.evict(Tier.L1, 10**6)
     e.cache.core.evict(Tier.L2, 10**6)
