@@ -3,7 +3,8 @@ variant (``--no-rotation``), with the steps of ``Engine._admit`` for a restore t
 
 Session 9 measured 4.1 ms of host time per restore (Qwen3-8B, H200) before the first decode
 batch could run beside it, 3.2 ms of it launching the layered prefill: what keeps the
-decode-overlap share under 70%. Each part below is timed only inside a restore's start.
+decode-overlap share under 70%. Each part below is timed only inside a restore's start, warm-up included (the longest
+call shows a one-time graph capture).
 Usage (GPU): ``python bench/launch_profile.py --model qwen3-8b`` (extra flags go to the
 stress bench).
 """
@@ -26,6 +27,7 @@ from hicache.engine.model import ModelRunner, _Graph
 
 seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
 calls: collections.Counter[str] = collections.Counter()
+longest: collections.defaultdict[str, float] = collections.defaultdict(float)
 inside: list[str] = []  # the outer step being timed: "start" or "launch"
 
 
@@ -43,8 +45,10 @@ def timed(owner: Any, name: str, key: str, *, outer: bool = False, layered_only:
         try:
             return fn(*args, **kwargs)
         finally:
-            seconds[key if outer else f"{inside[-1]}: {key}"] += time.perf_counter() - t0
-            calls[key if outer else f"{inside[-1]}: {key}"] += 1
+            k, dt = key if outer else f"{inside[-1]}: {key}", time.perf_counter() - t0
+            seconds[k] += dt
+            calls[k] += 1
+            longest[k] = max(longest[k], dt)
             if outer:
                 inside.pop()
 
@@ -67,7 +71,10 @@ def main(argv: list[str]) -> None:
     print(f"\nHost time per restore start ({calls['start']} starts, {calls['launch']} layered launches):")
     for key in sorted(seconds, key=lambda k: (k.split(":")[0], -seconds[k])):
         per = calls["start"] if key.startswith("start") else launches
-        print(f"  {key:<40} {seconds[key] / per * 1e3:7.3f} ms  ({calls[key]} calls)")
+        print(
+            f"  {key:<40} {seconds[key] / per * 1e3:7.3f} ms  ({calls[key]} calls, "
+            f"the longest {longest[key] * 1e3:.1f} ms)"
+        )
 
 
 if __name__ == "__main__":
