@@ -66,6 +66,7 @@ def main(argv: list[str]) -> None:
     timed(ModelRunner, "slots", "ModelRunner.slots")
     timed(_Graph, "run", "_Graph.run")
     timed(torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay")
+    timed(torch.Tensor, "clone", "Tensor.clone")
     bench_hicache_stress.main(["--no-rotation", "--repeats", "1", "--decoders", "4", *argv])
     launches = calls["launch"] or 1
     print(f"\nHost time per restore start ({calls['start']} starts, {calls['launch']} layered launches):")
