@@ -1,12 +1,13 @@
 """Where the host time of starting a layered restore goes: the stress bench's overlap
 variant (``--no-rotation``), with the steps of ``Engine._admit`` for a restore timed.
 
-Session 9 measured 4.1 ms of host time per restore (Qwen3-8B, H200) before the first decode
-batch could run beside it, 3.2 ms of it launching the layered prefill: what keeps the
-decode-overlap share under 70%. Each part below is timed only inside a restore's start, warm-up included (the longest
-call shows a one-time graph capture).
-Usage (GPU): ``python bench/launch_profile.py --model qwen3-8b`` (extra flags go to the
-stress bench).
+Session 9 (Qwen3-8B, H200): ~4 ms of host time per restore before the first decode batch
+can run beside it, what (with the eager prefills of arriving decoders) keeps the
+decode-overlap share under 70%. Issuing the layered H2D took 1.4-1.7 ms; ``_Graph.run`` took
+1.5-2.3 ms more than its replay and clone, unexplained (README, "Decode overlap"). Each part
+is timed only inside a restore's start, warm-up included (the longest call shows a one-time
+graph capture). Usage (GPU): ``python bench/launch_profile.py --model qwen3-8b`` (extra
+flags go to the stress bench).
 """
 
 from __future__ import annotations
