@@ -46,6 +46,42 @@ def test_paged_attention_matches_stock_transformers(preset: str, attention: Atte
     torch.testing.assert_close(run.forward([(toks[36:], pages, 36)])[0], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_a_short_fresh_prefill_can_run_as_a_tail_over_its_own_tokens(
+    attention: AttentionImpl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``graph_short_prefills``: a prefill with no cached context of at most ``graph_tokens``
+    tokens reads its own K/V back from the pool (the path CUDA graphs replay) and gives the
+    logits and pages of the direct path; longer ones keep the direct path."""
+    import hicache.engine.model as model_module
+
+    net = build_model("tiny")
+    read: list[bool] = []
+    direct = model_module._logits
+
+    def logits(net: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        read.append(batch.read_slots is not None)  # the path taken: reads its K/V from the pool
+        return direct(net, ids, pos, batch)
+
+    monkeypatch.setattr(model_module, "_logits", logits)
+    pages = list(range(1, 33))
+    for n in (20, 64, 65):
+        toks = [(7 * j + 3) % 500 for j in range(n)]
+        outs = []
+        for flag in (False, True):
+            pool = DevicePool.allocate(kv_geometry(net, 4), 40, "cpu")
+            torch.manual_seed(0)
+            pool.buffer.normal_()  # garbage everywhere the request has not written (the same in both)
+            run = ModelRunner(net, pool, attention=attention, graph_short_prefills=flag)
+            read.clear()
+            out = run.forward([(toks, pages, 0)])[0]
+            assert read == [flag and n <= run.graph_tokens], (n, flag)
+            used = pages[: -(-n // 4)]
+            outs.append((out, pool.buffer[:, :, used].clone()))
+        torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
+
+
 def engine(**kw: object) -> Engine:
     args: dict[str, object] = dict(
         device="cpu",

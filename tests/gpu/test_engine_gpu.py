@@ -83,6 +83,25 @@ def test_a_padded_graph_batch_serves_concurrent_requests() -> None:
     e.close()
 
 
+def test_short_fresh_prefills_replay_graphs_and_match_the_eager_ones() -> None:
+    """``graph_short_prefills``: prompts of at most 64 tokens with nothing cached replay a
+    graph captured once per length, with the eager path's tokens and (float32) logits."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(512) for _ in range(32)] for _ in range(4)] + [[rng.randrange(512) for _ in range(48)]]
+    runs = {}
+    for flag in (False, True):
+        e = Engine("tiny", device="cuda", page_size=16, num_pages=256, graph_short_prefills=flag)
+        runs[flag] = [e.generate(p, max_new_tokens=4) for p in prompts]
+        fresh_graphs = sorted(q for (_, q, _, _) in e.runner._graphs if q > 1)  # decode graphs have q == 1
+        assert fresh_graphs == ([32, 48] if flag else []), fresh_graphs
+        e.cache.check_integrity()
+        e.close()
+    for eager, graphed in zip(runs[False], runs[True], strict=True):
+        assert graphed.tokens == eager.tokens
+        assert graphed.first_logits is not None and eager.first_logits is not None
+        torch.testing.assert_close(graphed.first_logits, eager.first_logits, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("cudnn", ["off", "graphs", "on"])
 def test_attention_runs_without_cudnn_sdpa_unless_asked(cudnn: CudnnUse, monkeypatch: pytest.MonkeyPatch) -> None:
     """cuDNN's SDPA holds native memory per shape (the GPU soak's RSS growth): off by
