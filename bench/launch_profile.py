@@ -66,6 +66,7 @@ def main(argv: list[str]) -> None:
     timed(ModelRunner, "_graph", "ModelRunner._graph")
     timed(ModelRunner, "slots", "ModelRunner.slots")
     timed(_Graph, "run", "_Graph.run")
+    timed(_Graph, "_capture", "_Graph._capture")  # how many first-use captures the launches held
     timed(torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay")
     timed(torch.Tensor, "clone", "Tensor.clone")
     bench_hicache_stress.main(["--no-rotation", "--repeats", "1", "--decoders", "4", *argv])
