@@ -4,7 +4,7 @@
 # Phases: tests, transfer (race demo, transfer and storage benchmarks), latency8b, latency8b-quick,
 # attnprobe (attention backends: memory per shape, speed of a tail call and a decode call), attention8b (ATTN_VARIANTS, default 6 attention variants, ~1.1 min each), latency4b, stress8b, stress4b (STRESS_REPEATS, default 3: ~7.5 min each), soak (SOAK_MINUTES, default 5),
 # layered8b (LAYERED_VARIANTS, default off on: ~1.1 min each), overlap8b (the overlap variants with
-# short fresh prefills eager and graphed, ~2 min), launchprofile (bench/launch_profile.py, ~1 min), hangprobe (the layered restore beside decoding, ~2 min), fwdprofile (kernels of a restored tail's forward by kind), layerload (layer-by-layer H2D ways), soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
+# short fresh prefills eager and graphed (the default), ~2 min), launchprofile (bench/launch_profile.py, ~1 min), hangprobe (the layered restore beside decoding, ~2 min), fwdprofile (kernels of a restored tail's forward by kind), layerload (layer-by-layer H2D ways), soak-bisect (SOAK_VARIANTS from base nograph torch noverify arena1 mmapfixed; ~2.2 min each), bookkeeping.
 # latency8b, latency8b-quick and latency4b run with --hicache-layered-restore ${LAYERED:-on} (the README tables);
 # stress8b, stress4b, soak and soakrestores (policy always, smaller L1: restores throughout) with the
 # engine's default unless LAYERED is set.
@@ -85,10 +85,10 @@ for phase in "$@"; do
         --num-pages 900 --hicache-policy always ${LAYERED:+--hicache-layered-restore "$LAYERED"} --out "$OUT" \
         --tag h200-restores${LAYERED:+-layered-$LAYERED} 2>&1 | grep -v "it/s\]" | tail -28 ;;
     overlap8b)  # the overlap variants, short fresh prefills eager and graph-replayed, side by side (~2 min)
-      for v in "" "--cuda-graph-short-prefills"; do
-        echo "-- overlap ${v:-(short prefills eager)}"
+      for v in "--cuda-graph-short-prefills off" ""; do
+        echo "-- overlap ${v:-(default: short prefills graphed)}"
         (cd bench && timeout -k 10 280 python3 bench_hicache_stress.py --model qwen3-8b --no-rotation --repeats 2 $v \
-          --out "$OUT" --tag "h200-overlap${v:+-short-graphs}" 2>&1 | grep -v "it/s\]" | tail -9)
+          --out "$OUT" --tag "h200-overlap${v:+-short-eager}" 2>&1 | grep -v "it/s\]" | tail -9)
       done ;;
     launchprofile)  # where the host time of starting a layered restore goes (~1 min)
       (cd bench && timeout -k 10 200 python3 launch_profile.py --model qwen3-8b --out "$OUT" --tag h200-launch-profile 2>&1 \

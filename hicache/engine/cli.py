@@ -32,9 +32,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-cuda-graph", action="store_true", help="run small batches eagerly too")
     g.add_argument(
         "--cuda-graph-short-prefills",
-        action="store_true",
-        help="prefills without cached context of at most 64 tokens replay CUDA graphs too "
-        "(off: eager; not yet measured on the GPU)",
+        choices=["auto", "on", "off"],
+        nargs="?",
+        const="on",
+        default="auto",
+        help="prefills without cached context of at most 64 tokens replay CUDA graphs too; "
+        "auto (default): whenever CUDA graphs are on; off: they run eagerly",
     )
     g.add_argument(
         "--attention",
@@ -113,7 +116,7 @@ def engine_from_args(args: argparse.Namespace, net: torch.nn.Module | None = Non
         num_pages=args.num_pages,
         max_batch=args.max_batch,
         cuda_graphs=not args.disable_cuda_graph,
-        graph_short_prefills=args.cuda_graph_short_prefills,
+        graph_short_prefills={"auto": None, "on": True, "off": False}[args.cuda_graph_short_prefills],
         attention=args.attention,
         cudnn=args.attention_cudnn,
         enable_hicache=args.enable_hicache,

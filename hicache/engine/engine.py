@@ -136,7 +136,7 @@ class Engine:
         max_batch: int = 32,
         prefills_before_decode: int = 1,
         cuda_graphs: bool = True,
-        graph_short_prefills: bool = False,
+        graph_short_prefills: bool | None = None,
         attention: AttentionImpl = "auto",
         cudnn: CudnnUse = "off",
         verify_pages: bool = False,

@@ -215,11 +215,15 @@ class ModelRunner:
     model launches thousands of small kernels, and for a handful of tokens the launches,
     not the GPU, set the time. Contexts are padded to ``graph_bucket`` tokens (masked).
     Large prefills run eagerly (their kernels are long enough to hide the launches).
-    Prefills with no cached context run eagerly too, unless ``graph_short_prefills``: then
-    one of at most ``graph_tokens`` tokens runs as a tail over an empty context (it reads
-    its own new tokens' K/V from the pool), graph-replayed on CUDA. On the H200 an eager
-    32-token prefill of Qwen3-8B took ~47 ms, bound by launches (session 9); off by default
-    until the graphed path has run there.
+    Prefills with no cached context of at most ``graph_tokens`` tokens run as a tail over an
+    empty context (they read their own new tokens' K/V back from the pool) and replay graphs
+    too when ``graph_short_prefills`` (``None``, the default: whenever CUDA graphs are on).
+    On the H200 an eager 32-token prefill of Qwen3-8B took ~47 ms, bound by launches, and
+    graphing them took the decode overlap of a pending restore from 66% to 74% (README).
+    Their graphs (one per batch and length) hold at most a quarter of ``max_graphs``, so a
+    workload of many prompt lengths leaves room for decode batches; past that share a new
+    length runs eagerly. Longer prefills, and all of them with ``graph_short_prefills=False``,
+    run eagerly on the direct path.
 
     Attention over cached context (``attention``): ``"paged"`` runs
     :func:`hicache.engine.attention.paged_attention_triton` for calls of at most
@@ -265,7 +269,7 @@ class ModelRunner:
         graph_tokens: int = 64,
         graph_bucket: int = 256,
         max_graphs: int = 64,
-        graph_short_prefills: bool = False,
+        graph_short_prefills: bool | None = None,
         attention: AttentionImpl = "auto",
         cudnn: CudnnUse = "off",
         layer_groups: Sequence[tuple[int, int]] | None = None,
@@ -282,7 +286,8 @@ class ModelRunner:
         self.page_size = pool.geometry.page_size
         self.graphs_enabled = cuda_graphs and pool.device.type == "cuda"
         self.graph_tokens = graph_tokens
-        self.graph_short_prefills = graph_short_prefills
+        self.graph_short_prefills = self.graphs_enabled if graph_short_prefills is None else graph_short_prefills
+        self._fresh_keys: set[tuple[int, int, int, bool]] = set()  # graphs captured for fresh prefills
         self.graph_bucket = graph_bucket
         self.max_graphs = max_graphs
         self._graphs: dict[tuple[int, int, int, bool], _Graph] = {}
@@ -397,14 +402,20 @@ class ModelRunner:
         write = torch.stack([self.slots(p, c - q, c) for (_, p, _), c in zip(seqs, ctx, strict=True)])
         b = len(seqs)
         short = b * q <= self.graph_tokens
-        if all(cached == 0 for _, _, cached in seqs) and not (self.graph_short_prefills and short):
-            # a fresh prefill: no context to read
-            self.eager_forwards += 1
-            ids_d, pos_d, write_d = self._upload(None, ids, pos, write, fresh=layered)
-            return _logits(self.net, ids_d, pos_d, PagedBatch(self.pool, write_d, None, None))
+        key = (b, q, -(-max(ctx) // self.graph_bucket) * self.graph_bucket, layered)
+        if all(cached == 0 for _, _, cached in seqs):  # a fresh prefill: no context to read
+            as_tail = self.graph_short_prefills and short
+            if as_tail and self.graphs_enabled and key not in self._graphs:
+                as_tail = len(self._fresh_keys) < self.max_graphs // 4  # room for a new length
+                if as_tail:
+                    self._fresh_keys.add(key)
+            if not as_tail:
+                self.eager_forwards += 1
+                ids_d, pos_d, write_d = self._upload(None, ids, pos, write, fresh=layered)
+                return _logits(self.net, ids_d, pos_d, PagedBatch(self.pool, write_d, None, None))
         graph = None
         if self.graphs_enabled and short:
-            graph = self._graph(b, q, -(-max(ctx) // self.graph_bucket) * self.graph_bucket, layered)
+            graph = self._graph(*key)
         t = graph.t if graph is not None else max(ctx)
         read = torch.empty(b, t, dtype=torch.int64)
         for i, ((_, pages, _), c) in enumerate(zip(seqs, ctx, strict=True)):

@@ -80,6 +80,12 @@ def test_a_short_fresh_prefill_can_run_as_a_tail_over_its_own_tokens(
             outs.append((out, pool.buffer[:, :, used].clone()))
         torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
+    pool = DevicePool.allocate(kv_geometry(net, 4), 40, "cpu")
+    assert not ModelRunner(net, pool, attention=attention).graph_short_prefills  # default: on only with graphs
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    flags: tuple[list[str], ...] = ([], ["--cuda-graph-short-prefills"], ["--cuda-graph-short-prefills", "off"])
+    assert [ap.parse_args(f).cuda_graph_short_prefills for f in flags] == ["auto", "on", "off"]
 
 
 def engine(**kw: object) -> Engine:

@@ -84,22 +84,39 @@ def test_a_padded_graph_batch_serves_concurrent_requests() -> None:
 
 
 def test_short_fresh_prefills_replay_graphs_and_match_the_eager_ones() -> None:
-    """``graph_short_prefills``: prompts of at most 64 tokens with nothing cached replay a
-    graph captured once per length, with the eager path's tokens and (float32) logits."""
+    """``graph_short_prefills`` (on by default with CUDA graphs): prompts of at most 64
+    tokens with nothing cached replay a graph captured once per length, with the eager
+    path's tokens and (float32) logits."""
     rng = random.Random(3)
     prompts = [[rng.randrange(512) for _ in range(32)] for _ in range(4)] + [[rng.randrange(512) for _ in range(48)]]
     runs = {}
-    for flag in (False, True):
+    for flag in (False, None):
         e = Engine("tiny", device="cuda", page_size=16, num_pages=256, graph_short_prefills=flag)
         runs[flag] = [e.generate(p, max_new_tokens=4) for p in prompts]
         fresh_graphs = sorted(q for (_, q, _, _) in e.runner._graphs if q > 1)  # decode graphs have q == 1
-        assert fresh_graphs == ([32, 48] if flag else []), fresh_graphs
+        assert fresh_graphs == ([32, 48] if flag is None else []), fresh_graphs
         e.cache.check_integrity()
         e.close()
-    for eager, graphed in zip(runs[False], runs[True], strict=True):
+    for eager, graphed in zip(runs[False], runs[None], strict=True):
         assert graphed.tokens == eager.tokens
         assert graphed.first_logits is not None and eager.first_logits is not None
         torch.testing.assert_close(graphed.first_logits, eager.first_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_short_fresh_prefill_graphs_hold_at_most_a_quarter_of_the_graphs() -> None:
+    """Graphs of fresh short prefills (one per length) stop at ``max_graphs // 4``: later
+    lengths run eagerly, and decode batches still get graphs."""
+    net = build_model("tiny", device="cuda")
+    pool = DevicePool.allocate(kv_geometry(net, 16), 64, "cuda")
+    run = ModelRunner(net, pool, max_graphs=8)
+    assert run.graph_short_prefills
+    for n in (10, 20, 30, 40):  # four lengths, room for two
+        run.forward([(list(range(n)), [0, 1, 2], 0)])
+    assert sorted(q for (_, q, _, _) in run._graphs) == [10, 20] and run.eager_forwards == 2
+    run.forward([(list(range(20)), [3, 4], 0)])  # a length that has its graph replays it
+    assert run.eager_forwards == 2 and run.graph_replays == 3
+    run.forward([([5], [0, 1, 2], 40)])  # a decode step still gets a graph
+    assert run.graphs_captured == 3 and run.graph_replays == 4
 
 
 @pytest.mark.parametrize("cudnn", ["off", "graphs", "on"])
