@@ -82,8 +82,11 @@ def rotate(
 
     def background() -> None:  # short private prompts that decode for long
         while engine.pending < decoders:
-            n = engine.stats.submitted
-            engine.submit([(n * 13 + j * 7) % 100 for j in range(32)], args.decode_tokens)
+            # NOTE: a prompt of its own per submission (the earlier (n * 13 + j * 7) % 100 came
+            # back every 100 submissions: a cached decoder prompt, restored as a tail of a new
+            # length, captured a layered graph inside the timing; session 10)
+            rng = random.Random(-1 - engine.stats.submitted)
+            engine.submit([rng.randrange(100) for _ in range(32)], args.decode_tokens)
 
     def serve(i: int) -> Output:  # one rotation request, the decoders kept topped up meanwhile
         if decoders:
