@@ -83,8 +83,8 @@ def rotate(
     def background() -> None:  # short private prompts that decode for long
         while engine.pending < decoders:
             # NOTE: a prompt of its own per submission (the earlier (n * 13 + j * 7) % 100 came
-            # back every 100 submissions: a cached decoder prompt, restored as a tail of a new
-            # length, captured a layered graph inside the timing; session 10)
+            # back every 100 submissions, a cached prompt among fresh ones). Suspected of the
+            # one graph capture left inside the timing, but that capture stayed (session 10).
             rng = random.Random(-1 - engine.stats.submitted)
             engine.submit([rng.randrange(100) for _ in range(32)], args.decode_tokens)
 
