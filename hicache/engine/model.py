@@ -405,7 +405,7 @@ class ModelRunner:
         key = (b, q, -(-max(ctx) // self.graph_bucket) * self.graph_bucket, layered)
         if all(cached == 0 for _, _, cached in seqs):  # a fresh prefill: no context to read
             as_tail = self.graph_short_prefills and short
-            if as_tail and self.graphs_enabled and key not in self._graphs and key not in self._fresh_keys:
+            if as_tail and self.graphs_enabled and key not in self._graphs:
                 as_tail = len(self._fresh_keys) < self.max_graphs // 4  # room for a new length
                 if as_tail:
                     self._fresh_keys.add(key)
