@@ -219,7 +219,7 @@ class ModelRunner:
     empty context (they read their own new tokens' K/V back from the pool) and replay graphs
     too when ``graph_short_prefills`` (``None``, the default: whenever CUDA graphs are on).
     On the H200 an eager 32-token prefill of Qwen3-8B took ~47 ms, bound by launches, and
-    graphing them took the decode overlap of a pending restore from 66% to 74% (README).
+    graphing them raised the decode overlap of a pending restore by 2–8 points (to 68–74%, README).
     Their graphs (one per batch and length) hold at most a quarter of ``max_graphs``, so a
     workload of many prompt lengths leaves room for decode batches; past that share a new
     length runs eagerly. Longer prefills, and all of them with ``graph_short_prefills=False``,
