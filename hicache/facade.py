@@ -1,29 +1,45 @@
 """``HiCache``: the one object an engine embeds. The only module that knows both the core
-and the concrete backends; it wires them from a :class:`HiCacheConfig`."""
+and the concrete backends; it validates a :class:`HiCacheConfig`, builds the pools, movers
+and a :class:`~hicache.core.controller.Controller`, and forwards the engine's calls to it."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import xxhash
 
 from hicache.backends.faults import FaultInjector
-from hicache.backends.pools import DevicePool, HostPool
+from hicache.backends.pools import DevicePool, HostPool, validate_l1
 from hicache.backends.storage import StorageBackend, StorageFile
 from hicache.backends.transfer import TransferBackend, TransferEngine
+from hicache.backends.verify import DigestVerifier
 from hicache.core.cache import CacheCore
-from hicache.core.controller import Controller, WritePolicy
-from hicache.core.cost import CostModel, CostPriors, Policy
-from hicache.core.geometry import KVGeometry, TierSizes
-from hicache.core.node import Transfer
+from hicache.core.controller import (
+    Controller,
+    PendingRestore,
+    Request,
+    WritePolicy,
+    check_selective_hits,
+    parse_write_policy,
+)
+from hicache.core.cost import CostModel, CostPriors, Plan, Policy
+from hicache.core.geometry import DevicePage, KVGeometry, TierSizes
+from hicache.core.metrics import Metrics
+from hicache.core.status import ControllerStatus
 from hicache.errors import ConfigError
-from hicache.spec.model import Direction
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(frozen=True)
 class HiCacheConfig:
-    """Everything an engine chooses. L2/L3 of 0 pages disable that tier."""
+    """Everything an engine chooses; validated here, before anything is allocated or opened.
+    L2/L3 of 0 pages disable that tier."""
 
     geometry: KVGeometry
     l1_pages: int
@@ -38,7 +54,7 @@ class HiCacheConfig:
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
     selective_hits: int = 2
     priors: CostPriors = field(default_factory=CostPriors)
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    device: str = field(default_factory=_default_device)
     tracing: bool = False  # check every state change against the spec (tests)
     verify_pages: bool = False  # digest every moved page and check it on arrival (slow; soak/bench)
 
@@ -48,104 +64,181 @@ class HiCacheConfig:
         TierSizes(self.l1_pages, self.l2_pages, self.l3_pages)  # validates the sizes
         if self.l3_pages and not self.l2_pages:
             raise ConfigError("L3 needs L2 (pages reach the file through host memory): set l2_pages")
-        for name, kind in (("policy", Policy), ("write_policy", WritePolicy)):
-            value = getattr(self, name)
-            if value not in {k.value for k in kind}:
-                raise ConfigError(f"{name} must be one of {[k.value for k in kind]}, got {value!r}")
+        if self.policy not in {k.value for k in Policy}:
+            raise ConfigError(f"policy must be one of {[k.value for k in Policy]}, got {self.policy!r}")
+        parse_write_policy(self.write_policy)
+        check_selective_hits(self.selective_hits)
         if self.transfer_backend not in ("auto", "triton", "torch"):
             raise ConfigError(f"transfer_backend must be auto, triton or torch, got {self.transfer_backend!r}")
+        if isinstance(self.storage_workers, bool) or not isinstance(self.storage_workers, int):
+            raise ConfigError(f"storage_workers must be an int >= 1, got {self.storage_workers!r}")
+        if self.storage_workers < 1:
+            raise ConfigError(f"storage_workers must be an int >= 1, got {self.storage_workers!r}")
+        if self.storage_path is not None and not isinstance(self.storage_path, (str, os.PathLike)):
+            raise ConfigError(f"storage_path must be a path or None, got {self.storage_path!r}")
+        for name in ("storage_direct", "checksums", "tracing", "verify_pages"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.priors, CostPriors):
+            raise ConfigError(f"priors must be a CostPriors, got {self.priors!r}")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device must be a torch device such as 'cpu' or 'cuda', got {self.device!r}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r}: this torch build has no usable CUDA device")
+        if dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if self.l2_pages * self.geometry.bytes_per_page > host:
+            raise ConfigError(
+                f"l2_pages={self.l2_pages} needs {self.l2_pages * self.geometry.bytes_per_page / 2**30:.1f} GiB "
+                f"of host memory; this machine has {host / 2**30:.1f} GiB"
+            )
 
 
-_DIGEST_CHUNK = 8  # L1 pages staged per host copy when digesting (verify_pages)
+def _check_l1_buffer(config: HiCacheConfig, buffer: object) -> None:
+    validate_l1(config.geometry, buffer)
+    assert isinstance(buffer, torch.Tensor)  # validate_l1 refuses anything else
+    if buffer.device.type != torch.device(config.device).type:
+        raise ConfigError(f"L1 tensor is on {buffer.device}, config.device is {config.device!r}")
+    if buffer.requires_grad:
+        raise ConfigError("L1 tensor requires grad; hand hicache the KV pool itself (requires_grad=False)")
+    if buffer.shape[2] != config.l1_pages:
+        raise ConfigError(f"L1 tensor has {buffer.shape[2]} pages, config.l1_pages is {config.l1_pages}")
 
 
-class HiCache(Controller):
-    """A :class:`Controller` over real pools: L1 (the engine's tensor, or one we allocate),
-    pinned L2, and an L3 file."""
+class HiCache:
+    """The engine-facing cache: L1 (the engine's tensor, or one we allocate), pinned L2, an
+    L3 file, and a :class:`Controller` over them. Every call is the controller's (see
+    :mod:`hicache.core.controller` for the contract)."""
 
     def __init__(self, config: HiCacheConfig, l1_buffer: torch.Tensor | None = None) -> None:
+        if not isinstance(config, HiCacheConfig):
+            raise ConfigError(f"config must be a HiCacheConfig, got {type(config).__name__}")
         g = config.geometry
+        if l1_buffer is not None:
+            _check_l1_buffer(config, l1_buffer)
         self.config = config
         self.faults = FaultInjector()
-        if l1_buffer is not None and l1_buffer.device.type != torch.device(config.device).type:
-            raise ConfigError(f"L1 tensor is on {l1_buffer.device}, config.device is {config.device!r}")
-        l1 = (
-            DevicePool(g, l1_buffer)
-            if l1_buffer is not None
-            else DevicePool.allocate(g, config.l1_pages, config.device)
-        )
-        if l1.num_pages != config.l1_pages:
-            raise ConfigError(f"L1 tensor has {l1.num_pages} pages, config says {config.l1_pages}")
-        self.l1 = l1
-        self._page_digest: dict[int, int] = {}  # L2 page -> digest (verify_pages)
-        self._slot_digest: dict[int, int] = {}  # L3 slot -> digest (verify_pages)
-        self._digest_staging: torch.Tensor | None = None  # host copy of L1 pages being digested
-        self.l2 = HostPool(g, max(1, config.l2_pages))
-        engine = TransferEngine(l1, self.l2, config.transfer_backend, faults=self.faults)
+        try:
+            self.l1 = (
+                DevicePool(g, l1_buffer)
+                if l1_buffer is not None
+                else DevicePool.allocate(g, config.l1_pages, config.device)
+            )
+            self.l2 = HostPool(g, max(1, config.l2_pages))
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            pages = f"{config.l1_pages}/{config.l2_pages} pages"
+            raise ConfigError(f"cannot allocate the L1/L2 pools ({pages}): {exc}") from exc
+        self.device = TransferEngine(self.l1, self.l2, config.transfer_backend, faults=self.faults)
         storage = None
         if config.l3_pages:
             file = StorageFile(g, config.l3_pages, config.storage_path, direct=config.storage_direct)
-            storage = StorageBackend(
-                file, self.l2, workers=config.storage_workers, checksums=config.checksums, faults=self.faults
-            )
-        core = CacheCore(
+            try:
+                storage = StorageBackend(
+                    file, self.l2, workers=config.storage_workers, checksums=config.checksums, faults=self.faults
+                )
+            except BaseException:
+                file.close()
+                raise
+        self.storage = storage
+        self.core = CacheCore(
             g.page_size, TierSizes(config.l1_pages, config.l2_pages, config.l3_pages), tracing=config.tracing
         )
-        super().__init__(
-            core,
-            engine,
+        self.controller = Controller(
+            self.core,
+            self.device,
             storage,
             CostModel(g.bytes_per_token, config.priors, config.policy),
             write_policy=config.write_policy,
             selective_hits=config.selective_hits,
-            bytes_per_page=g.bytes_per_page,
+            verifier=DigestVerifier(self.l1, self.l2) if config.verify_pages else None,
         )
 
-    # -- page verification (verify_pages) ----------------------------------------------------
+    # -- the controller's calls ------------------------------------------------------------
 
-    def _digest_l1(self, pages: list[int]) -> list[int]:
-        # NOTE: through one reused host buffer, a few pages at a time, hashing the buffer in
-        # place: a fresh host tensor (and a bytes copy) per call, megabytes per page, made
-        # glibc's heap grow by ~170 KB per request in the GPU soak.
-        out: list[int] = []
-        buf = self.l1.buffer
-        for i in range(0, len(pages), _DIGEST_CHUNK):
-            part = pages[i : i + _DIGEST_CHUNK]
-            if self._digest_staging is None:
-                shape = (_DIGEST_CHUNK, *buf.shape[:2], *buf.shape[3:])  # L2 page layout
-                self._digest_staging = torch.empty(shape, dtype=buf.dtype, pin_memory=buf.is_cuda)
-            staged = self._digest_staging[: len(part)]
-            staged.copy_(buf[:, :, part].permute(2, 0, 1, 3, 4, 5))
-            rows = staged.view(len(part), -1).view(torch.uint8).numpy()
-            out.extend(xxhash.xxh3_64_intdigest(row) for row in rows)
-        return out
+    def admit(self, tokens: object) -> Request:
+        """Match ``tokens`` once and pin the L1 hit (:meth:`Controller.admit`)."""
+        return self.controller.admit(tokens)
 
-    def _digest_l2(self, pages: list[int]) -> list[int]:
-        rows = self.l2.bytes.numpy()  # [page, bytes_per_page], shares memory
-        return [xxhash.xxh3_64_intdigest(rows[p]) for p in pages]
+    def plan(self, req: Request) -> Plan:
+        """Restore from L2, L3 or recompute: a decision only (:meth:`Controller.plan`)."""
+        return self.controller.plan(req)
 
-    def _verify(self, transfer: Transfer) -> str | None:
-        """With ``verify_pages``: a page's digest is taken where it was computed (L1, at the
-        D2H) and checked at every arrival — in L2 after D2H and S2H, in L1 after H2D. L3 reads
-        are also checked by the storage's own per-page checksums."""
-        if not self.config.verify_pages:
-            return None
-        d, src, dst = transfer.direction, list(transfer.src), list(transfer.dst)
-        if d is Direction.H2S:
-            for s, t in zip(src, dst, strict=True):
-                self._slot_digest[t] = self._page_digest.get(s) or self._digest_l2([s])[0]
-            return None
-        if d is Direction.D2H:
-            want = self._digest_l1(src)
-        elif d is Direction.S2H:
-            want = [self._slot_digest.get(s) for s in src]  # type: ignore[misc]
-        else:
-            want = [self._page_digest.get(s) for s in src]  # type: ignore[misc]
-        got = self._digest_l1(dst) if d is Direction.H2D else self._digest_l2(dst)
-        self.metrics.verified_pages += len(dst)
-        bad = next((i for i, (w, g) in enumerate(zip(want, got, strict=True)) if w is not None and w != g), None)
-        if bad is not None:
-            return f"{d.name}: page {dst[bad]} differs from the page saved (digest mismatch at position {bad})"
-        if d is not Direction.H2D:
-            self._page_digest.update(zip(dst, got, strict=True))
-        return None
+    def start_restore(
+        self, req: Request, plan: Plan | None = None, *, layer_events: Sequence[Any] | None = None
+    ) -> PendingRestore | None:
+        """Commit a restore, asynchronously (:meth:`Controller.start_restore`)."""
+        return self.controller.start_restore(req, plan, layer_events=layer_events)
+
+    def restore(self, req: Request, plan: Plan | None = None) -> bool:
+        """Blocking restore; True if ``cached_len`` grew (:meth:`Controller.restore`)."""
+        return self.controller.restore(req, plan)
+
+    def poll(self) -> list[PendingRestore]:
+        """Advance transfers; the restores that finished (:meth:`Controller.poll`)."""
+        return self.controller.poll()
+
+    def allocate(self, req: Request, n: int) -> list[DevicePage] | None:
+        """``n`` private L1 pages, or None without room (:meth:`Controller.allocate`)."""
+        return self.controller.allocate(req, n)
+
+    def insert(self, req: Request, pages: Sequence[DevicePage]) -> int:
+        """Hand the prefilled prompt to the tree (:meth:`Controller.insert`)."""
+        return self.controller.insert(req, pages)
+
+    def prefix_pages(self, req: Request) -> list[DevicePage]:
+        """L1 pages of ``req.tokens[:req.cached_len]`` (:meth:`Controller.prefix_pages`)."""
+        return self.controller.prefix_pages(req)
+
+    def release(self, req: Request) -> None:
+        """Finished or aborted: the request holds nothing (:meth:`Controller.release`)."""
+        self.controller.release(req)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Teach the recompute model (:meth:`Controller.observe_prefill`)."""
+        self.controller.observe_prefill(tokens, seconds)
+
+    def note_decode(self, seconds: float) -> None:
+        """Decode time spent while restores were pending (:meth:`Controller.note_decode`)."""
+        self.controller.note_decode(seconds)
+
+    def drain(self) -> None:
+        """Block until every transfer in flight has finished."""
+        self.controller.drain()
+
+    def status(self) -> ControllerStatus:
+        """Typed status (``.to_dict()`` for JSON)."""
+        return self.controller.status()
+
+    def prometheus(self) -> str:
+        """The metrics in Prometheus text format."""
+        return self.controller.prometheus()
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError naming the first broken invariant (page runs and requests)."""
+        self.controller.check_integrity()
+
+    @property
+    def cost(self) -> CostModel:
+        """The cost model (its state: ``status().cost_model``)."""
+        return self.controller.cost
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.controller.metrics
+
+    @property
+    def closed(self) -> bool:
+        return self.controller.closed
+
+    def close(self) -> None:
+        """Drain transfers, release every request, close storage. Idempotent."""
+        self.controller.close()
+
+    def __enter__(self) -> HiCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

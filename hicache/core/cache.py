@@ -22,7 +22,7 @@ Threading: one thread (the scheduler) calls into a ``CacheCore``; it is not thre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -57,11 +57,13 @@ class InsertResult:
     or pages past a run whose L1 copy is still being restored); they stay private, the
     caller frees them with :meth:`CacheCore.free_private` when done with them.
     ``node``: the deepest node covering ``length`` (the root if 0).
+    ``pages``: the tree's L1 pages of ``[0, length)``, in token order.
     """
 
     length: int
     rejected: list[DevicePage]
     node: Node
+    pages: list[DevicePage]
 
 
 class CacheCore:
@@ -131,6 +133,17 @@ class CacheCore:
         """Physical pages of a match in token order (any tier)."""
         return self.tree.pages_of(match)
 
+    def path_pages(self, node: Node | None, tier: Tier) -> list[int]:
+        """The ``tier`` pages of the root..``node`` path in token order (all must be there)."""
+        runs: list[list[int]] = []
+        while node is not None and node.parent is not None:
+            pages = node.pages[tier]
+            if pages is None:
+                raise IntegrityError("prefix-closure", repr(node), f"path lacks a {tier.name} copy")
+            runs.append(pages)
+            node = node.parent
+        return [p for run in reversed(runs) for p in run]
+
     def pages_l1(self, match: TierMatch) -> list[DevicePage]:
         """The L1 pages of an L1 match in token order, typed."""
         if match.tier is not Tier.L1:
@@ -168,9 +181,23 @@ class CacheCore:
                 )
         return self._insert(toks[:aligned], list(pages))
 
+    def adopt(self, tokens: tuple[int, ...], pages: Sequence[DevicePage], prefix: int) -> InsertResult:
+        """:meth:`insert` for a caller whose lease pins ``pages[:prefix]`` at their positions
+        (the controller): one walk, no validation walk. ``pages[prefix:]`` must be private
+        (checked); a pinned page found elsewhere than where the caller said is a bug."""
+        ps = self.page_size
+        aligned = len(tokens) - len(tokens) % ps
+        if len(pages) != aligned // ps or not 0 <= prefix <= len(pages):
+            raise MisuseError(f"adopt needs {aligned // ps} pages with a prefix in range, got {len(pages)}, {prefix}")
+        own = pages[prefix:]
+        if len(set(own)) != len(own) or not self.private.issuperset(own):
+            raise PageOwnershipError("adopt: pages past the pinned prefix must be distinct private pages")
+        return self._insert(tokens[:aligned], list(pages), pinned=prefix)
+
     def _l1_pages_along(self, toks: tuple[int, ...]) -> list[int | None]:
         """Read-only walk: the tree's L1 page at every page position of ``toks`` (or None)."""
         ps = self.page_size
+        self.tree.walks += 1
         out: list[int | None] = []
         node = self.tree.root
         i = 0
@@ -178,7 +205,7 @@ class CacheCore:
             child = node.children.get(toks[i : i + ps])
             if child is None:
                 break
-            k = self.tree._common(child.key, toks, i)
+            k = self.tree.common(child.key, toks, i)
             pages = child.pages[Tier.L1]
             out.extend(pages[: k // ps] if pages is not None else [None] * (k // ps))
             if k < len(child.key):
@@ -188,11 +215,13 @@ class CacheCore:
         out.extend([None] * (len(toks) // ps - len(out)))
         return out
 
-    def _insert(self, toks: tuple[int, ...], pages: list[int]) -> InsertResult:
+    def _insert(self, toks: tuple[int, ...], pages: list[int], pinned: int = 0) -> InsertResult:
         tree = self.tree
         ps = self.page_size
+        tree.walks += 1
         node = tree.root
         rejected: list[int] = []
+        held: list[int] = []  # the tree's L1 pages of [0, i)
         i = 0
         while i < len(toks):
             child = node.children.get(toks[i : i + ps])
@@ -203,19 +232,26 @@ class CacheCore:
                 self.private.difference_update(new_pages)
                 tree.publish(new, Tier.L1, new_pages)
                 tree.record(new, RunState.L1_PRIVATE, Event.INSERT, after)
+                held.extend(new_pages)
                 node, i = new, len(toks)
                 break
-            k = tree._common(child.key, toks, i)
+            k = tree.common(child.key, toks, i)
             if k < len(child.key):
                 tree.split(child, k)
                 child = node.children[toks[i : i + ps]]
             mine = pages[i // ps : (i + k) // ps]
             have = child.pages[Tier.L1]
             if have is not None:
-                rejected.extend(p for p, q in zip(mine, have, strict=True) if p != q)
-                child.stamp[Tier.L1] = next(tree._clock)
-                tree.push_candidate(child, Tier.L1)
+                for j, (p, q) in enumerate(zip(mine, have, strict=True)):
+                    if p != q:
+                        if i // ps + j < pinned:
+                            raise IntegrityError("pinning", repr(child), f"pinned page {p} found as {q}")
+                        rejected.append(p)
+                held.extend(have)
+                tree.touch(child, Tier.L1)
             else:
+                if i < pinned * ps:
+                    raise IntegrityError("pinning", repr(child), "a pinned prefix lost its L1 copy")
                 before = child.state
                 if before is None or Event.INSERT not in _allowed(before):
                     rejected.extend(pages[i // ps :])
@@ -224,9 +260,10 @@ class CacheCore:
                 self.private.difference_update(mine)
                 tree.publish(child, Tier.L1, mine)
                 tree.record(child, before, Event.INSERT, after)
+                held.extend(mine)
             node = child
             i += k
-        return InsertResult(i, rejected, node)  # type: ignore[arg-type]
+        return InsertResult(i, rejected, node, held)  # type: ignore[arg-type]
 
     # -- transfers -------------------------------------------------------------------------
 
@@ -250,12 +287,17 @@ class CacheCore:
         event = start_event(direction)
         return all((s := n.state) is not None and event in _allowed(s) for n in seg)
 
-    def start(self, direction: Direction, node: Node) -> Transfer | None:
+    def start(
+        self, direction: Direction, node: Node, *, make_room: Callable[[Tier, int], bool] | None = None
+    ) -> Transfer | None:
         """Begin moving the segment ending at ``node`` (see :meth:`segment`).
 
-        Returns None, changing nothing, if the target tier has too few free pages (evict
-        first). Raises TransitionRefused, changing nothing, if the spec forbids it for any
-        run of the segment, or the segment is empty.
+        Check, then commit: the source path and the destination's parent are pinned first,
+        then ``make_room(target, n)`` (if given) may evict to free ``n`` pages — it can evict
+        neither — then the destination pages are allocated. Returns None, changing nothing
+        (beyond what ``make_room`` evicted), if the target tier still lacks free pages.
+        Raises TransitionRefused, changing nothing, if the spec forbids it for any run of
+        the segment, or the segment is empty.
         """
         if not node.alive or node.parent is None:
             raise HandleError(f"cannot start {direction.name} from {node!r}: not a live node")
@@ -266,19 +308,32 @@ class CacheCore:
         if not seg:
             raise TransitionRefused(f"{direction.name}: {node!r} already has a {target.name} copy")
         event = start_event(direction)
-        plan = [(n, n.state, self.tree.expect(n, event)) for n in seg]
+        for n in seg:
+            self.tree.expect(n, event)
+        need = sum(len(n.key) for n in seg) // self.page_size
+        top_parent = seg[0].parent
+        if top_parent is None:
+            raise IntegrityError("structure", repr(seg[0]), "a segment node has no parent")
+        src_lease = self.tree.lock_node(node, source, touch=False)
+        dst_lease = None if top_parent.parent is None else self.tree.lock_node(top_parent, target, touch=False)
+        alloc = self._alloc[target]
+        dst: list[int] | None = None
+        roomy = alloc.num_free >= need or (make_room is not None and make_room(target, need))
+        # NOTE: the pins kept the segment (its parent keeps its target copy, its nodes their
+        # source copy); re-derive it anyway: making room may run other transfers.
+        if roomy and self.segment(direction, node) == seg and all(self.tree.allows(n, event) for n in seg):
+            dst = alloc.allocate(need)
+        if dst is None:
+            self.tree.release(src_lease)
+            if dst_lease is not None:
+                self.tree.release(dst_lease)
+            return None
         src: list[int] = []
         for n in seg:
             pages = n.pages[source]
-            assert pages is not None  # the spec guard requires the source copy
+            if pages is None:
+                raise IntegrityError("declared-states", repr(n), f"{direction.name} source lacks {source.name}")
             src.extend(pages)
-        dst = self._alloc[target].allocate(len(src))
-        if dst is None:
-            return None
-        top_parent = seg[0].parent
-        assert top_parent is not None
-        src_lease = self.tree.lock_node(node, source)
-        dst_lease = None if top_parent.parent is None else self.tree.lock_node(top_parent, target)
         self._transfer_ids += 1
         transfer = Transfer(
             self._transfer_ids,
@@ -291,13 +346,15 @@ class CacheCore:
             tokens=len(src) * self.page_size,
         )
         off = 0
-        for n, before, after in plan:
+        for n in seg:
+            before = n.state
+            after = self.tree.expect(n, event)
             width = len(n.key) // self.page_size
             n.inflight[direction] = transfer
             n.pending[direction] = dst[off : off + width]
             off += width
-            assert before is not None
-            self.tree.record(n, before, event, after)
+            if before is not None:
+                self.tree.record(n, before, event, after)
         self.transfers[transfer.id] = transfer
         return transfer
 
@@ -361,22 +418,58 @@ class CacheCore:
         left; returns pages freed. Only that tier's copy goes; a node with no copy left and
         nothing in flight is removed from the tree."""
         freed = 0
-        event = evict_event(tier)
         while freed < num_pages:
             node = self.tree.pop_lru(tier)
             if node is None:
                 break
-            before = node.state
-            assert before is not None
-            after = self.tree.expect(node, event)
-            pages = self.tree.drop(node, tier)
-            self._alloc[tier].free(pages)
-            self.tree.record(node, before, event, after)
-            freed += len(pages)
-            self.evictions[tier] += len(pages)
-            if after is RunState.EMPTY:
-                self.tree.remove(node)
+            freed += self._evict_one(node, tier)
         return freed
+
+    def evict_node(self, node: Node, tier: Tier) -> int:
+        """Drop exactly ``node``'s copy in ``tier``; returns pages freed. Raises
+        TransitionRefused, changing nothing, unless that copy is evictable (present,
+        unpinned, a leaf in ``tier``, not a transfer source)."""
+        if not self.tree.is_evictable(node, tier):
+            raise TransitionRefused(f"cannot evict the {tier.name} copy of {node!r}")
+        return self._evict_one(node, tier)
+
+    def lru_victim(self, tier: Tier) -> Node | None:
+        """The run :meth:`evict` would drop next in ``tier`` (nothing changes)."""
+        return self.tree.peek_lru(tier)
+
+    def _evict_one(self, node: Node, tier: Tier) -> int:
+        before = node.state
+        if before is None:
+            raise IntegrityError("declared-states", repr(node), "evicting a run in an undeclared state")
+        event = evict_event(tier)
+        after = self.tree.expect(node, event)
+        pages = self.tree.drop(node, tier)
+        self._alloc[tier].free(pages)
+        self.tree.record(node, before, event, after)
+        self.evictions[tier] += len(pages)
+        if after is RunState.EMPTY:
+            self.tree.remove(node)
+        return len(pages)
+
+    def trim(self, match: TierMatch) -> TierMatch:
+        """The same match on a node that ends exactly at ``match.length``, splitting the
+        node the match ends inside (so a transfer from it moves exactly that prefix).
+        Raises HandleError if the match's copy was dropped since."""
+        tree = self.tree
+        tree.check_fresh(match.node, match.tier, match.version)
+        node = match.node
+        if node.parent is None:
+            return match
+        start = tree.depth_tokens(node) - len(node.key)
+        while start >= match.length and node.parent is not None and node.parent.parent is not None:
+            node = node.parent  # a split since the match moved its end into an upper half
+            start -= len(node.key)
+        cut = match.length - start
+        if node is match.node and cut == len(node.key):
+            return match
+        if cut < len(node.key):
+            node = tree.split(node, cut)
+        return TierMatch(match.tier, match.length, node, node.version[match.tier])
 
     def ensure_free(self, tier: Tier, n: int) -> bool:
         """Evict in ``tier`` until ``n`` pages are free; False (having evicted nothing) if
@@ -455,7 +548,8 @@ class CacheCore:
             for x in self.transfers.values()
         }
         leases = {
-            lease.id: LeaseView(lease.id, lease.tier, lease.node.id, lease.node.alive) for lease in tree.leases.values()
+            lease.id: LeaseView(lease.id, lease.tier, lease.node.id, lease.node.alive, lease.length)
+            for lease in tree.leases.values()
         }
         return Snapshot(
             page_size=self.page_size,

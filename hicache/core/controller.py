@@ -1,48 +1,61 @@
-"""The controller: write-through and restore lifecycles over the core and two movers.
+"""The controller: requests, restores and write-through over the core and two movers.
 
-Engine-facing, engine-agnostic; talks to backends only through :mod:`hicache.core.protocols`.
-A request's life::
+The contract with an engine, a handful of calls (engine-agnostic; backends are reached only
+through :mod:`hicache.core.protocols`)::
 
-    req = c.admit(tokens)           match; pin the L1 prefix; req.cached_len = L1 hit
-    plan = c.plan(req)              policy / cost model: restore from L2, L3, or recompute
-    r = c.start_restore(req, plan)  S2H (L3 only) then H2D, asynchronous; advance with
-    c.poll()                        c.poll() (or c.restore(req) to block). req.cached_len
-                                    moves only after the H2D completed AND was published
-    pages = c.allocate(req, n)      private L1 pages for the uncached part (evicts; None if
-                                    no room can be made)
-    c.insert(req, pages)            after prefill: the tree adopts them; write-through runs
-    c.release(req)                  done or aborted: private pages freed, pins released
+    req = c.admit(tokens)           match once; pin the L1 hit (req.cached_len, req.pages)
+    plan = c.plan(req)              restore from L2, L3, or recompute (a decision only)
+    r = c.start_restore(req, plan)  commit it: pin the source, make room, allocate, issue;
+                                    None when there is nothing to restore or it cannot start
+    c.poll()                        advance transfers; a restore publishes, then cached_len grows
+    pages = c.allocate(req, n)      n private L1 pages, evicting as needed; None if no room
+    c.insert(req, pages)            after prefill: the tree adopts the aligned prompt
+    c.release(req)                  finished or aborted: the request holds nothing afterwards
 
-Ownership during a restore: the source path is pinned for the whole operation; destination
-pages are private to the transfer until it completes; promoted L2 pages belong to the tree
-once the S2H is published (a later failure, e.g. no L1 room for the H2D, never returns them
-to the free list). Any failure: only still-private pages are freed, pins released, the
+What a request may do in which state is :mod:`hicache.spec.request`; every call checks it and
+raises :class:`MisuseError`, changing nothing, when it refuses. A request is matched against
+the tree twice in its life (``admit`` and ``insert``); everything else works from what it
+holds: its match, its leases, its L1 page list.
+
+Ownership during a restore: the request pins the run it reads (L3, then L2) from the commit
+until the transfer ends, so nothing that makes room can evict it; destination pages are
+private to the transfer until it completes; promoted L2 pages belong to the tree once the
+S2H is published. Any failure: only still-private pages are freed, pins released, the
 request recomputes, ``metrics.fallbacks`` counts it.
 
-Threading: one scheduler thread calls the controller (checked); backends run their own I/O
-threads and streams.
+Threading: one scheduler thread calls the controller (checked on every call).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal, cast
+from typing import Any
 
 from hicache.core.cache import CacheCore
 from hicache.core.cost import CostModel, Plan
 from hicache.core.geometry import DevicePage
 from hicache.core.metrics import Metrics
 from hicache.core.node import Lease, Node, Transfer
-from hicache.core.protocols import DeviceMover, StorageMover, TicketLike
+from hicache.core.protocols import DeviceMover, PageVerifier, StorageMover, TicketLike
 from hicache.core.status import ControllerStatus
 from hicache.core.tokens import as_tokens
-from hicache.errors import ConfigError, HandleError, MisuseError
+from hicache.core.tree import MatchResult, TierMatch
+from hicache.errors import ConfigError, HandleError, HiCacheError, IntegrityError, MisuseError
+from hicache.spec.invariants import Violation, check_all
 from hicache.spec.model import Direction, Tier
+from hicache.spec.request import ReqEvent, ReqState, request_step
+from hicache.spec.request_invariants import check_requests
+from hicache.spec.snapshot import RequestView, Snapshot
+
+log = logging.getLogger(__name__)
 
 
 class WritePolicy(StrEnum):
@@ -51,34 +64,75 @@ class WritePolicy(StrEnum):
     WRITE_BACK = "write_back"  # back up a prefix when it is evicted from L1 (synchronously)
 
 
-@dataclass(eq=False)
+class Stage(StrEnum):
+    """A restore's stage: in flight (``S2H``, ``H2D``) or finished (an :class:`Outcome`)."""
+
+    S2H = "s2h"
+    H2D = "h2d"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Outcome(StrEnum):
+    """How a restore ended."""
+
+    DONE = "done"  # published: the request's cached_len grew
+    FAILED = "failed"  # the request recomputes
+    CANCELLED = "cancelled"  # its request was released first; what landed went to the tree
+
+
+@dataclass(eq=False, slots=True)
 class Request:
-    """One engine request as the controller sees it. ``cached_len`` (page aligned) is the
-    prefix whose KV is usable in L1 now; it only grows after a restore is published."""
+    """One engine request as the controller sees it.
+
+        tokens  [0 ........ cached_len) [cached_len ........ aligned) tail
+                 pages: tree's L1 pages   private pages, after allocate   (< a page)
+                 pinned by ``lease``
+
+    ``cached_len`` is page aligned; it grows only when a restore publishes, and moves to
+    what the tree holds when the prompt is inserted.
+    """
 
     id: int
     tokens: tuple[int, ...]
-    hit: tuple[int, int, int]
-    cached_len: int
-    lease: Lease | None
+    match: MatchResult  # per-tier hits at admission
+    state: ReqState = ReqState.ADMITTED
+    cached_len: int = 0
+    pages: list[DevicePage] = field(default_factory=list)
+    lease: Lease | None = None
     private: list[DevicePage] = field(default_factory=list)
     restore: PendingRestore | None = None
-    released: bool = False
+
+    @property
+    def hit(self) -> tuple[int, int, int]:
+        """Per-tier hit lengths at admission."""
+        return self.match.lengths
+
+    @property
+    def released(self) -> bool:
+        return self.state is ReqState.RELEASED
 
 
 @dataclass(eq=False)
 class PendingRestore:
+    """A committed restore of ``request``'s prefix up to ``plan.tokens``.
+
+    ``pages`` is set when the H2D started with layer events (``start_restore(layer_events=
+    ...)``): exactly the L1 pages of ``[0, plan.tokens)`` once published, which the device
+    fills layer by layer. Reading them is for the requester only, on the device, each layer
+    after its event; anyone else may read them only after publication. On failure the
+    reader discards what it read.
+    """
+
     request: Request
     plan: Plan
-    stage: Literal["s2h", "h2d", "done", "failed", "cancelled"]
     started: float
+    source: Lease | None = None  # the request's pin on the run being read (L3, then L2)
+    transfer: Transfer | None = None  # the transfer in flight (S2H, then H2D)
+    outcome: Outcome | None = None
     error: str | None = None
     overlapped_s: float = 0.0
-    # Set when the H2D started with layer events (``start_restore(layer_events=...)``): the
-    # L1 pages the request's prefix will have once published, in token order, which the
-    # device fills layer by layer. Reading them is for the requester only, on the device,
-    # each layer after its event; the host publishes them (and anyone else may read them)
-    # only when the whole transfer succeeded. On failure the reader discards what it read.
     pages: list[DevicePage] | None = None
 
     @property
@@ -88,18 +142,30 @@ class PendingRestore:
 
     @property
     def finished(self) -> bool:
-        return self.stage in ("done", "failed", "cancelled")
+        return self.outcome is not None
+
+    @property
+    def done(self) -> bool:
+        """Published: the request's cached_len grew."""
+        return self.outcome is Outcome.DONE
+
+    @property
+    def stage(self) -> Stage:
+        """Where the restore is: reading L3 (S2H), loading L1 (H2D), or its outcome."""
+        if self.outcome is not None:
+            return Stage(self.outcome.value)
+        return Stage.S2H if self.transfer is not None and self.transfer.direction is Direction.S2H else Stage.H2D
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Job:
     transfer: Transfer
     ticket: TicketLike
-    restore: PendingRestore | None  # None: a write-through backup
+    restore: PendingRestore | None  # None: a backup
 
 
 class Controller:
-    """See the module docstring. Construct through :class:`hicache.HiCache` normally."""
+    """See the module docstring. :class:`hicache.HiCache` builds one over real backends."""
 
     def __init__(
         self,
@@ -110,16 +176,10 @@ class Controller:
         *,
         write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
         selective_hits: int = 2,
-        bytes_per_page: int,
+        verifier: PageVerifier | None = None,
     ) -> None:
-        try:
-            self.write_policy = WritePolicy(write_policy)
-        except ValueError:
-            raise ConfigError(
-                f"write_policy must be one of {[p.value for p in WritePolicy]}, got {write_policy!r}"
-            ) from None
-        if selective_hits < 1:
-            raise ConfigError(f"selective_hits must be >= 1, got {selective_hits}")
+        self.write_policy = parse_write_policy(write_policy)
+        check_selective_hits(selective_hits)
         if core.sizes.l3_pages and storage is None:
             raise ConfigError("L3 pages configured but no storage backend given")
         self.core = core
@@ -127,12 +187,12 @@ class Controller:
         self.storage = storage
         self.cost = cost
         self.selective_hits = selective_hits
-        self.bytes_per_page = bytes_per_page
+        self.verifier = verifier
         self.metrics = Metrics()
         self._jobs: dict[int, _Job] = {}
         self._requests: dict[int, Request] = {}
+        self._deferred: dict[tuple[int, Direction], Node] = {}  # backups waiting for a transfer above them
         self._ids = itertools.count(1)
-        self._hits: dict[int, int] = {}
         self._owner = threading.get_ident()
         self.closed = False
 
@@ -144,33 +204,47 @@ class Controller:
         if threading.get_ident() != self._owner:
             raise MisuseError("HiCache is single-threaded: call it from the thread that created it")
 
-    def _live(self, req: Request) -> None:
+    def _live(self, req: object) -> Request:
+        if not isinstance(req, Request):
+            raise MisuseError(f"expected a Request from admit(), got {type(req).__name__}")
         if req.released or self._requests.get(req.id) is not req:
             raise HandleError(f"request #{req.id} was released or is unknown")
+        return req
+
+    def _next(self, req: Request, event: ReqEvent, call: str) -> ReqState:
+        nxt = request_step(req.state, event)
+        if nxt is None:
+            raise MisuseError(f"{call}: request #{req.id} is {req.state.value}; {event.value!r} is not allowed there")
+        return nxt
 
     # -- requests ----------------------------------------------------------------------------
 
     def admit(self, tokens: object) -> Request:
-        """Match ``tokens`` (changes no residency) and pin the L1 hit for a new request."""
+        """Match ``tokens`` (one tree walk; changes no residency) and pin the L1 hit."""
         self._enter()
         toks = as_tokens(tokens)
-        hit = self.core.match_valid(toks)
-        lease = self.core.lock(hit.l1) if hit.l1.length else None
-        req = Request(next(self._ids), toks, hit.lengths, hit.l1.length, lease)
+        match = self.core.match_valid(toks)
+        req = Request(next(self._ids), toks, match, cached_len=match.l1.length)
+        if match.l1.length:
+            req.lease = self.core.lock(match.l1)
+            req.pages = self.core.pages_l1(match.l1)
         self._requests[req.id] = req
-        self.metrics.hit_tokens["L1"] += hit.l1.length
-        if hit.l1.length and self.write_policy is WritePolicy.SELECTIVE:
-            node = hit.l1.node
-            self._hits[node.id] = self._hits.get(node.id, 0) + 1
-            if self._hits[node.id] >= self.selective_hits:
+        self.metrics.hit_tokens["L1"] += match.l1.length
+        if match.l1.length and self.write_policy is WritePolicy.SELECTIVE:
+            node = match.l1.node
+            node.hits += 1
+            if node.hits >= self.selective_hits:
                 self._backup(node)
         return req
 
     def plan(self, req: Request) -> Plan:
-        """Where to restore from, by the policy and cost model (a decision only)."""
+        """Where to restore from, by the policy and cost model, from the admission match (a
+        decision only; :meth:`start_restore` commits it or refuses)."""
         self._enter()
         self._live(req)
-        n1, n2, n3 = self.core.match_valid(req.tokens).lengths
+        if req.state is not ReqState.ADMITTED:
+            raise MisuseError(f"plan: request #{req.id} is {req.state.value}; plan right after admit")
+        n1, n2, n3 = req.match.lengths
         if self.storage is None:
             n3 = 0
         plan = self.cost.decide(n1, n2, n3)
@@ -179,120 +253,171 @@ class Controller:
         return plan
 
     def prefix_pages(self, req: Request) -> list[DevicePage]:
-        """The L1 pages holding ``req.tokens[:req.cached_len]``, in order."""
+        """The L1 pages holding ``req.tokens[:req.cached_len]``, in order (no tree walk)."""
+        self._enter()
         self._live(req)
-        if req.lease is None:
-            return []
-        hit = self.core.match_valid(req.tokens).l1
-        return self.core.pages_l1(hit)[: req.cached_len // self.core.page_size]
+        return list(req.pages)
 
     def allocate(self, req: Request, n: int) -> list[DevicePage] | None:
         """``n`` private L1 pages for ``req`` (evicting unpinned L1 copies as needed), or
         None, changing nothing, if no room can be made."""
         self._enter()
         self._live(req)
-        if not self._ensure_free(Tier.L1, n):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise MisuseError(f"allocate: page count must be an int >= 0, got {n!r}")
+        nxt = self._next(req, ReqEvent.ALLOCATE, "allocate")
+        if not self._make_room(Tier.L1, n):
             return None
         pages = self.core.allocate_l1(n)
-        if pages is not None:
-            req.private.extend(pages)
+        if pages is None:
+            return None
+        req.private.extend(pages)
+        req.state = nxt
         return pages
 
     def insert(self, req: Request, pages: Sequence[DevicePage]) -> int:
-        """After prefill: hand ``req``'s pages for ``tokens[cached_len:]`` (page aligned) to
-        the tree. Returns the new ``cached_len``: :meth:`prefix_pages` now gives the tree's
-        pages for ``[0, cached_len)`` (our duplicates of pages the tree already had are
-        freed). Where the tree refuses pages (a transfer into that run is in flight),
-        ``cached_len`` stays short of the prompt and those pages remain the request's own:
-        the engine reads ``pages[(cached_len - first) // page_size:]`` of what it passed,
-        ``first`` being the token position of ``pages[0]``. Write-through starts per the
-        write policy."""
+        """After prefill: hand ``req``'s pages for ``tokens[cached_len:aligned]`` to the tree
+        (``aligned``: the prompt rounded down to whole pages; a shorter prompt inserts
+        nothing). Returns the new ``cached_len``; :meth:`prefix_pages` gives the tree's pages
+        for ``[0, cached_len)`` (our duplicates of pages the tree already had are freed).
+        Where the tree refuses pages (a restore into that run is in flight), ``cached_len``
+        stays short of ``aligned`` and those pages remain the request's own. Write-through
+        starts per the write policy."""
         self._enter()
         self._live(req)
+        if isinstance(pages, (str, bytes)) or not isinstance(pages, Sequence):
+            raise MisuseError(f"insert: pages must be a sequence of page ids, got {type(pages).__name__}")
+        nxt = self._next(req, ReqEvent.INSERT, "insert")
         ps = self.core.page_size
         aligned = len(req.tokens) - len(req.tokens) % ps
         own = list(pages)
         mine = set(req.private)
-        if any(p not in mine for p in own):
-            raise MisuseError("insert: pages must be private pages allocated for this request")
-        prefix = self.prefix_pages(req)
-        need = aligned // ps - len(prefix)
+        if len(set(own)) != len(own) or any(type(p) is not int or p not in mine for p in own):
+            raise MisuseError("insert: pages must be distinct private pages allocated for this request")
+        need = aligned // ps - req.cached_len // ps
         if len(own) < need:
             raise MisuseError(f"insert needs {need} pages for tokens [{req.cached_len}, {aligned}), got {len(own)}")
-        start = len(prefix)
-        recomputed = aligned - req.cached_len
-        result = self.core.insert(req.tokens[:aligned], prefix + own[:need])
-        self._repin(req)
-        # Positions below the new match hold the tree's L1 pages: ours were adopted there,
-        # or are duplicates (freed). Above it the tree refused our pages (its run there has a
-        # transfer in flight): they stay private, and the request keeps reading them.
-        covered = own[: max(0, req.cached_len // ps - start)]
-        duplicates = set(result.rejected) & set(covered)
-        self.core.free_private(list(duplicates))
+        if need == 0:
+            req.state = nxt
+            return req.cached_len
+        before = req.cached_len
+        result = self.core.adopt(req.tokens[:aligned], [*req.pages, *own[:need]], len(req.pages))
+        req.state = nxt
+        lease = None
+        if result.length:
+            lease = self.core.lock(TierMatch(Tier.L1, result.length, result.node, result.node.version[Tier.L1]))
+        if req.lease is not None:
+            self.core.release(req.lease)
+        req.lease, req.cached_len, req.pages = lease, result.length, result.pages
+        # Positions below the new cached_len hold the tree's L1 pages: ours were adopted
+        # there, or are duplicates (freed). Above it the tree refused ours: they stay private.
+        covered = own[: max(0, (result.length - before) // ps)]
+        self.core.free_private(list(set(result.rejected) & set(covered)))
         gone = set(covered)
         req.private = [p for p in req.private if p not in gone]
-        self.metrics.recomputed_tokens += max(0, recomputed)
+        self.metrics.recomputed_tokens += aligned - before
         if self.write_policy is WritePolicy.WRITE_THROUGH and result.node.parent is not None:
             self._backup(result.node)
         return req.cached_len
 
     def release(self, req: Request) -> None:
         """The request finished or was aborted: free its private pages, drop its pins. A
-        restore in flight completes in the background (its pages go to the tree) without
-        touching the request."""
+        restore in flight completes in the background into the tree."""
         self._enter()
         self._live(req)
-        req.released = True
-        del self._requests[req.id]
+        restore = req.restore
+        if restore is not None and restore.source is not None:
+            self.core.release(restore.source)
+            restore.source = None
         if req.private:
             self.core.free_private(req.private)
             req.private = []
         if req.lease is not None:
             self.core.release(req.lease)
             req.lease = None
+        req.pages = []
+        req.state = ReqState.RELEASED
+        del self._requests[req.id]
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Teach the recompute model: ``tokens`` new tokens were prefilled in ``seconds``."""
-        self.cost.observe_prefill(tokens, seconds)
+        self._enter()
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+            raise MisuseError(f"observe_prefill: tokens must be an int > 0, got {tokens!r}")
+        _check_seconds("observe_prefill", seconds)
+        self.cost.observe_prefill(tokens, float(seconds))
 
     def note_decode(self, seconds: float) -> None:
         """The engine ran a decode batch for ``seconds`` while restores were pending."""
-        pending = [j.restore for j in self._jobs.values() if j.restore is not None]
-        for r in dict.fromkeys(pending):
+        self._enter()
+        _check_seconds("note_decode", seconds)
+        for r in {id(j.restore): j.restore for j in self._jobs.values() if j.restore is not None}.values():
             if r is not None:
-                r.overlapped_s += seconds
+                r.overlapped_s += float(seconds)
 
     # -- restore -----------------------------------------------------------------------------
 
     def start_restore(
         self, req: Request, plan: Plan | None = None, *, layer_events: Sequence[Any] | None = None
     ) -> PendingRestore | None:
-        """Begin restoring ``req``'s prefix per ``plan`` (default: :meth:`plan`). Returns
-        None when there is nothing to restore or it cannot start (counted as fallback).
+        """Commit ``plan`` (default: :meth:`plan`): pin the source run, make room, allocate,
+        issue. Returns None when there is nothing to restore, or (counted as a fallback) when
+        it cannot start; the request is then ready to prefill.
 
         ``layer_events`` (one per layer; an empty sequence on CPU) asks an L2 restore's H2D
         to record ``layer_events[l]`` once layer ``l`` has landed; the restore then carries
-        ``pages`` (:class:`PendingRestore`) so the engine can start the request's forward
-        before publication. An L3 restore ignores it (its H2D starts at a later poll)."""
+        ``pages`` so the engine can start the request's forward before publication. An L3
+        restore ignores it (its H2D starts at a later poll)."""
         self._enter()
         self._live(req)
-        if req.restore is not None and not req.restore.finished:
-            raise MisuseError(f"request #{req.id} already has a restore in flight")
+        if plan is not None and not isinstance(plan, Plan):
+            raise MisuseError(f"start_restore: plan must be a Plan from plan(), got {type(plan).__name__}")
+        events_ok = layer_events is None or (isinstance(layer_events, Sequence) and not isinstance(layer_events, str))
+        if not events_ok:
+            raise MisuseError(f"start_restore: layer_events must be a sequence, got {type(layer_events).__name__}")
+        if req.state is not ReqState.ADMITTED:
+            raise MisuseError(f"start_restore: request #{req.id} is {req.state.value}; restore right after admit")
         plan = plan or self.plan(req)
         if plan.tier is Tier.L1 or plan.tokens <= req.cached_len:
+            req.state = self._next(req, ReqEvent.SKIP, "start_restore")
             return None
-        hit = self.core.match_valid(req.tokens)
-        restore = PendingRestore(req, plan, "s2h" if plan.tier is Tier.L3 else "h2d", time.perf_counter())
+        ps = self.core.page_size
+        if plan.tokens % ps or plan.tokens > req.match[plan.tier].length or (plan.tier is Tier.L3 and not self.storage):
+            raise MisuseError(f"start_restore: {plan} does not fit request #{req.id} (hits {req.match.lengths})")
+        restore = PendingRestore(req, plan, time.perf_counter())
+        if not self._commit(restore, layer_events):
+            req.state = self._next(req, ReqEvent.SKIP, "start_restore")
+            self.metrics.fallbacks += 1
+            return None
         req.restore = restore
-        if plan.tier is Tier.L3 and hit.l3.length > hit.l2.length:
-            started = self._start(Direction.S2H, hit.l3.node, restore)
-        else:
-            restore.stage = "h2d"
-            started = self._start(Direction.H2D, hit.l2.node, restore, layer_events)
-        if not started:
-            self._fail(restore, "could not start (no room or a transfer already in flight)")
-            return None
         return restore
+
+    def _commit(self, restore: PendingRestore, layer_events: Sequence[Any] | None) -> bool:
+        req, plan, core = restore.request, restore.plan, self.core
+        m = req.match[plan.tier]
+        try:
+            m = core.trim(TierMatch(m.tier, plan.tokens, m.node, m.version))
+        except HandleError:
+            return False  # the source copy went since admission
+        node = m.node
+        if plan.tier is Tier.L3 and node.has(Tier.L2):
+            m = TierMatch(Tier.L2, plan.tokens, node, node.version[Tier.L2])  # promoted since: read L2
+        direction = Direction.H2D if m.tier is Tier.L2 else Direction.S2H
+        if not core.can_start(direction, node):
+            return False  # the run changed since admission (restored or in flight elsewhere)
+        restore.source = core.lock(m)
+        try:
+            job = self._start(direction, node, restore, layer_events if direction is Direction.H2D else None)
+        except BaseException:
+            core.release(restore.source)
+            restore.source = None
+            raise
+        if job is None:
+            core.release(restore.source)
+            restore.source = None
+            return False
+        req.state = self._next(req, ReqEvent.START_L2 if direction is Direction.H2D else ReqEvent.START_L3, "restore")
+        return True
 
     def restore(self, req: Request, plan: Plan | None = None) -> bool:
         """Blocking restore (engines without an overlap loop). True if ``cached_len`` grew."""
@@ -300,12 +425,12 @@ class Controller:
         if pending is None:
             return False
         while not pending.finished:
-            job = next((j for j in self._jobs.values() if j.restore is pending), None)
+            job = None if pending.transfer is None else self._jobs.get(pending.transfer.id)
             if job is None:
-                break
+                raise IntegrityError("ordering", f"request #{req.id}", "a restore in flight has no transfer")
             job.ticket.wait()
             self.poll()
-        return pending.stage == "done"
+        return pending.outcome is Outcome.DONE
 
     def poll(self) -> list[PendingRestore]:
         """Advance every transfer in flight; returns restores that finished in this call."""
@@ -320,89 +445,115 @@ class Controller:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _mover(self, direction: Direction) -> Any:
-        if direction in (Direction.D2H, Direction.H2D):
-            return getattr(self.device, direction.name.lower())
-        assert self.storage is not None
-        return self.storage.write if direction is Direction.H2S else self.storage.read
-
     def _start(
         self,
         direction: Direction,
         node: Node,
         restore: PendingRestore | None,
         layer_events: Sequence[Any] | None = None,
-    ) -> bool:
+    ) -> _Job | None:
+        """Start a transfer ending at ``node`` (pins, room, pages: :meth:`CacheCore.start`)
+        and issue it; None if it cannot start or the mover refused it (counted)."""
         core = self.core
-        if not node.alive or not core.can_start(direction, node):
-            return False
-        need = sum(len(n.pages[direction.source] or ()) for n in core.segment(direction, node))
-        if not self._ensure_free(direction.target, need):
-            return False
-        transfer = core.start(direction, node)
+        transfer = core.start(direction, node, make_room=self._make_room)
         if transfer is None:
-            return False
+            return None
         try:
-            if layer_events is None:
-                ticket = self._mover(direction)(transfer.src, transfer.dst)
-            else:
+            if direction is Direction.D2H:
+                ticket = self.device.d2h(transfer.src, transfer.dst)
+            elif direction is Direction.H2D:
                 ticket = self.device.h2d(transfer.src, transfer.dst, layer_events=layer_events)
-        except BaseException:
+            elif self.storage is None:
+                raise IntegrityError("structure", repr(node), f"{direction.name} without storage")
+            elif direction is Direction.H2S:
+                ticket = self.storage.write(transfer.src, transfer.dst)
+            else:
+                ticket = self.storage.read(transfer.src, transfer.dst)
+        except HiCacheError:
             core.fail(transfer)
             raise
-        self._jobs[transfer.id] = _Job(transfer, ticket, restore)
-        if layer_events is not None and restore is not None:
-            restore.pages = self._l1_path(transfer.nodes[0].parent) + cast(list[DevicePage], transfer.dst)
-        return True
+        except Exception as exc:  # a mover that could not issue: the transfer failed, nothing else
+            log.warning("hicache: %s could not be issued: %r", direction.name, exc)
+            core.fail(transfer)
+            self.metrics.directions[direction.name].failed += 1
+            return None
+        job = _Job(transfer, ticket, restore)
+        self._jobs[transfer.id] = job
+        if restore is not None:
+            restore.transfer = transfer
+            if layer_events is not None and direction is Direction.H2D:
+                restore.pages = self._prefix_after(restore.request, transfer)
+        return job
 
-    @staticmethod
-    def _l1_path(node: Node | None) -> list[DevicePage]:
-        """The L1 pages of the root..``node`` path, in token order (all L1-resident)."""
-        runs: list[Sequence[int]] = []
-        while node is not None and node.parent is not None:
-            pages = node.pages[Tier.L1]
-            assert pages is not None  # the H2D's destination parent is pinned in L1
-            runs.append(pages)
-            node = node.parent
-        return cast(list[DevicePage], [p for run in reversed(runs) for p in run])
+    def _prefix_after(self, req: Request, transfer: Transfer) -> list[DevicePage]:
+        """The L1 pages ``req``'s prefix will have once ``transfer`` (an H2D ending at its
+        planned length) publishes: the path above the segment, then the segment's pages."""
+        dst: list[DevicePage] = transfer.dst  # type: ignore[assignment]
+        top = transfer.nodes[0].parent
+        anchor = req.lease.node if req.lease is not None else self.core.tree.root
+        if top is anchor:  # the usual case: the segment starts where the request's L1 hit ends
+            return [*req.pages, *dst]
+        return [*self.core.path_pages(top, Tier.L1), *dst]  # type: ignore[list-item]
 
-    def _ensure_free(self, tier: Tier, n: int) -> bool:
+    def _make_room(self, tier: Tier, n: int) -> bool:
         """Evict in ``tier`` until ``n`` pages are free. Under write_back, an L1 victim
-        without an L2 copy is first backed up (D2H, waited for) so its prefix survives."""
+        without an L2 copy is first backed up (D2H, waited for) so its prefix survives, and
+        exactly that victim is then evicted."""
         core = self.core
         if tier is not Tier.L1 or self.write_policy is not WritePolicy.WRITE_BACK or not core.sizes.l2_pages:
             return core.ensure_free(tier, n)
+        if core.l1.num_free >= n:
+            return True
         if not core.can_make_room(tier, n):
             return False
         while core.l1.num_free < n:
-            victim = core.tree.pop_lru(Tier.L1)
+            victim = core.lru_victim(Tier.L1)
             if victim is None:
                 break
-            core.tree.push_candidate(victim, Tier.L1)  # pop_lru took it out of the index
-            if not victim.has(Tier.L2) and core.can_start(Direction.D2H, victim):
-                if self._start(Direction.D2H, victim, None):
-                    job = next(j for j in self._jobs.values() if victim in j.transfer.nodes)
+            if not victim.has(Tier.L2):
+                job = self._start(Direction.D2H, victim, None) if core.can_start(Direction.D2H, victim) else None
+                if job is None:
+                    self.metrics.backups_skipped += 1
+                else:
                     job.ticket.wait()
                     self._finish(job)
-                else:
-                    self.metrics.backups_skipped += 1
-            core.evict(Tier.L1, n - core.l1.num_free)
+            if not victim.alive or not core.tree.is_evictable(victim, Tier.L1):
+                break  # NOTE: cannot happen (nothing else runs); never loop on it
+            core.evict_node(victim, Tier.L1)
         return core.l1.num_free >= n
 
     def _backup(self, node: Node) -> None:
+        """Write ``node``'s path through to L2 (then L3), or defer it while a transfer above
+        it is in flight (the extension of a prefix whose D2H has not landed yet)."""
         if not self.core.sizes.l2_pages or not node.alive:
             return
         if node.has(Tier.L2):
             self._backup_l3(node)
-            return
-        if self.core.can_start(Direction.D2H, node) and not self._start(Direction.D2H, node, None):
-            self.metrics.backups_skipped += 1
+        else:
+            self._back_up(node, Direction.D2H)
 
     def _backup_l3(self, node: Node) -> None:
-        if self.storage is None or not node.alive or node.has(Tier.L3):
-            return
-        if self.core.can_start(Direction.H2S, node) and not self._start(Direction.H2S, node, None):
+        if self.storage is not None and node.alive and not node.has(Tier.L3):
+            self._back_up(node, Direction.H2S)
+
+    def _back_up(self, node: Node, direction: Direction) -> None:
+        if self.core.can_start(direction, node):
+            if self._start(direction, node, None) is None:
+                self.metrics.backups_skipped += 1
+        elif any(n.inflight[d] is not None for n in self.core.segment(direction, node) for d in Direction):
+            self._deferred[(node.id, direction)] = node  # retried when a transfer ends
+        else:
             self.metrics.backups_skipped += 1
+
+    def _retry_deferred(self) -> None:
+        for key, node in list(self._deferred.items()):
+            direction = key[1]
+            if not node.alive or node.has(direction.target):
+                del self._deferred[key]
+            elif self.core.can_start(direction, node):
+                del self._deferred[key]
+                if self._start(direction, node, None) is None:
+                    self.metrics.backups_skipped += 1
 
     def _account(self, job: _Job, ok: bool) -> None:
         d = job.transfer.direction
@@ -427,76 +578,101 @@ class Controller:
         transfer, restore = job.transfer, job.restore
         ok = bool(job.ticket.ok)
         error = job.ticket.error
-        if ok and (error := self._verify(transfer)) is not None:
-            ok = False
-            self.metrics.verify_failures += 1
+        if ok and self.verifier is not None:
+            error = self.verifier.verify(transfer.direction, transfer.src, transfer.dst)
+            if error is not None:
+                ok = False
+                self.metrics.verify_failures += 1
+            else:
+                self.metrics.verified_pages += len(transfer.dst) if transfer.direction is not Direction.H2S else 0
         self._account(job, ok)
         if not ok:
             self.core.fail(transfer)
             if restore is not None:
-                self._fail(restore, error or "transfer failed")
-            return restore
-        self.core.complete(transfer)  # NOTE: publish first; only then may anyone read it
+                self._end_restore(restore, Outcome.FAILED, error or "transfer failed")
+        else:
+            self.core.complete(transfer)  # NOTE: publish first; only then may anyone read it
+            if restore is not None:
+                self._advance(restore, transfer)
+            elif transfer.direction is Direction.D2H:
+                self._backup_l3(transfer.nodes[-1])
+        self._retry_deferred()
+        return restore
+
+    def _advance(self, restore: PendingRestore, transfer: Transfer) -> None:
+        """A restore's transfer published: promote (S2H) and go on, or finish (H2D)."""
+        req, core = restore.request, self.core
         bottom = transfer.nodes[-1]
-        if restore is None:
-            if transfer.direction is Direction.D2H:
-                self._backup_l3(bottom)
-            return None
-        req = restore.request
         if transfer.direction is Direction.S2H:
-            self.metrics.promotions += len(transfer.nodes)
-            # The promoted L2 pages now belong to the tree, whatever happens next.
+            self.metrics.promotions += len(transfer.nodes)  # the L2 pages belong to the tree now
             if req.released:
-                restore.stage = "cancelled"
-                return restore
-            restore.stage = "h2d"
-            if not self._start(Direction.H2D, bottom, restore):
-                self._fail(restore, "no L1 room for the H2D after promotion")
-            return restore
+                self._end_restore(restore, Outcome.CANCELLED, None)
+                return
+            # Pin the promoted run before making room for the H2D: room-making must not evict it.
+            source = core.lock(TierMatch(Tier.L2, restore.plan.tokens, bottom, bottom.version[Tier.L2]))
+            if restore.source is not None:
+                core.release(restore.source)
+            restore.source = source
+            if bottom.has(Tier.L1):  # another request brought it to L1 meanwhile: nothing to load
+                req.state = self._next(req, ReqEvent.PROMOTE, "restore")
+                self._publish(restore, bottom, core.path_pages(bottom, Tier.L1))  # type: ignore[arg-type]
+                return
+            if not core.can_start(Direction.H2D, bottom) or self._start(Direction.H2D, bottom, restore) is None:
+                self._end_restore(restore, Outcome.FAILED, "no L1 room for the H2D after promotion")
+                return
+            req.state = self._next(req, ReqEvent.PROMOTE, "restore")
+            return
         if req.released:
-            restore.stage = "cancelled"
-            return restore
-        before = req.cached_len
-        self._repin(req)
-        restore.stage = "done"
+            self._end_restore(restore, Outcome.CANCELLED, None)
+            return
+        pages = restore.pages if restore.pages is not None else self._prefix_after(req, transfer)
+        self._publish(restore, bottom, pages)
+
+    def _publish(self, restore: PendingRestore, bottom: Node, pages: list[DevicePage]) -> None:
+        """The restored prefix ``[0, plan.tokens)`` is in L1 on the path to ``bottom``: move
+        the request's pin there and its cached_len up."""
+        req, core = restore.request, self.core
+        if len(pages) * core.page_size != restore.plan.tokens:
+            raise IntegrityError("request-restore-pages", f"request #{req.id}", f"{len(pages)} pages published")
+        lease = core.lock(TierMatch(Tier.L1, restore.plan.tokens, bottom, bottom.version[Tier.L1]))
+        if req.lease is not None:
+            core.release(req.lease)
+        gained = restore.plan.tokens - req.cached_len
+        req.lease, req.cached_len, req.pages = lease, restore.plan.tokens, list(pages)
+        self._end_restore(restore, Outcome.DONE, None)
         elapsed = time.perf_counter() - restore.started
         self.metrics.restores += 1
         self.metrics.restore_s += elapsed
         self.metrics.restore_overlapped_s += min(restore.overlapped_s, elapsed)
-        tier = restore.plan.tier.name
-        self.metrics.hit_tokens[tier] += max(0, req.cached_len - before)
-        return restore
+        self.metrics.hit_tokens[restore.plan.tier.name] += gained
 
-    def _verify(self, transfer: Transfer) -> str | None:
-        """Check a finished transfer's destination pages before they are published; an
-        error message fails the transfer (the request recomputes). The controller knows no
-        bytes; :class:`hicache.HiCache` checks page digests when ``verify_pages`` is set."""
-        return None
-
-    def _fail(self, restore: PendingRestore, why: str) -> None:
-        restore.stage = "failed"
-        restore.error = why
-        self.metrics.fallbacks += 1
-
-    def _repin(self, req: Request) -> None:
-        """Move the request's L1 pin to its current (published) L1 match."""
-        hit = self.core.match_valid(req.tokens).l1
-        lease = self.core.lock(hit) if hit.length else None
-        if req.lease is not None:
-            self.core.release(req.lease)
-        req.lease = lease
-        req.cached_len = hit.length
+    def _end_restore(self, restore: PendingRestore, outcome: Outcome, why: str | None) -> None:
+        restore.outcome, restore.error = outcome, why
+        restore.transfer = None
+        if restore.source is not None:
+            self.core.release(restore.source)
+            restore.source = None
+        req = restore.request
+        if outcome is Outcome.FAILED:
+            self.metrics.fallbacks += 1
+        if not req.released:
+            req.state = self._next(req, ReqEvent.PUBLISH if outcome is Outcome.DONE else ReqEvent.FAIL, "restore")
 
     # -- observability and shutdown ----------------------------------------------------------
 
     def status(self) -> ControllerStatus:
         """Capacity/free/protected/evictable per tier, pending work, backends, cost model,
         metrics; typed (``.to_dict()`` for JSON)."""
+        self._enter()
+        states = {s.value: 0 for s in ReqState if s is not ReqState.RELEASED}
+        for r in self._requests.values():
+            states[r.state.value] += 1
         return ControllerStatus(
             core=self.core.status(),
             pending_backups=sum(1 for j in self._jobs.values() if j.restore is None),
             pending_restores=sum(1 for j in self._jobs.values() if j.restore is not None),
             requests=len(self._requests),
+            request_states=states,
             write_policy=self.write_policy.value,
             transfer=self.device.status(),
             storage=None if self.storage is None else self.storage.status(),
@@ -505,10 +681,27 @@ class Controller:
         )
 
     def prometheus(self) -> str:
+        self._enter()
         return self.metrics.prometheus({t.name: self.core.evictions[t] for t in Tier})
 
+    def snapshot(self) -> Snapshot:
+        """The core's snapshot plus every live request (what the request invariants see)."""
+        views = {r.id: _view(r) for r in self._requests.values()}
+        return dataclasses.replace(self.core.snapshot(), requests=views)
+
+    def violations(self) -> list[Violation]:
+        """Every broken invariant (page runs and requests); empty when all hold."""
+        snap = self.snapshot()
+        return check_all(snap) + check_requests(snap)
+
     def check_integrity(self) -> None:
-        self.core.check_integrity()
+        """Raise IntegrityError naming the first broken invariant of the page runs or the
+        requests (DESIGN.md §4, §4b)."""
+        self._enter()
+        bad = self.violations()
+        if bad:
+            v = bad[0]
+            raise IntegrityError(v.invariant, v.where, v.detail)
 
     def drain(self) -> None:
         """Block until every transfer in flight (backups and restores) has finished."""
@@ -520,12 +713,47 @@ class Controller:
 
     def close(self) -> None:
         """Drain every transfer in flight (completing or failing it), release every request,
-        close storage. Afterwards every call raises MisuseError."""
+        close storage. Afterwards every call but ``close`` raises MisuseError."""
         if self.closed:
             return
+        self._enter()
         self.drain()
         for req in list(self._requests.values()):
             self.release(req)
         if self.storage is not None:
             self.storage.close()
         self.closed = True
+
+
+def _view(r: Request) -> RequestView:
+    restore = r.restore if r.restore is not None and not r.restore.finished else None
+    transfer = None if restore is None or restore.transfer is None else restore.transfer
+    return RequestView(
+        id=r.id,
+        state=r.state,
+        cached_len=r.cached_len,
+        pages=tuple(r.pages),
+        lease=None if r.lease is None else r.lease.id,
+        source=None if restore is None or restore.source is None else restore.source.id,
+        transfer=None if transfer is None else transfer.id,
+        restore_pages=None if restore is None or restore.pages is None else tuple(restore.pages),
+        restore_tokens=0 if restore is None else restore.plan.tokens,
+        private=tuple(r.private),
+    )
+
+
+def parse_write_policy(value: object) -> WritePolicy:
+    try:
+        return WritePolicy(value)  # type: ignore[arg-type]
+    except ValueError:
+        raise ConfigError(f"write_policy must be one of {[p.value for p in WritePolicy]}, got {value!r}") from None
+
+
+def check_selective_hits(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"selective_hits must be an int >= 1, got {value!r}")
+
+
+def _check_seconds(call: str, seconds: object) -> None:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+        raise MisuseError(f"{call}: seconds must be a finite number >= 0, got {seconds!r}")

@@ -33,6 +33,7 @@ class Node:
     inflight: list[Transfer | None] = field(default_factory=lambda: [None, None, None, None])
     pending: list[list[int] | None] = field(default_factory=lambda: [None, None, None, None])
     alive: bool = True
+    hits: int = 0  # requests that matched it in L1 (write_through_selective)
 
     @property
     def code(self) -> int:

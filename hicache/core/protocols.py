@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from hicache.spec.model import Direction
+
 
 class TimingsLike(Protocol):
     enqueue_s: float
@@ -38,6 +40,15 @@ class TicketLike(Protocol):
 class DeviceMover(Protocol):
     """L1 <-> L2 (``TransferEngine``)."""
 
+    @property
+    def layered(self) -> bool:
+        """Whether :meth:`h2d` can signal each layer as it lands (else all at the end)."""
+        ...
+
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """The ``[lo, hi)`` layer ranges a layered H2D moves, in order."""
+        ...
+
     def d2h(self, src: Sequence[int], dst: Sequence[int]) -> TicketLike: ...
 
     def h2d(self, src: Sequence[int], dst: Sequence[int], layer_events: Sequence[Any] | None = None) -> TicketLike:
@@ -58,3 +69,11 @@ class StorageMover(Protocol):
     def close(self, *, wait: bool = True) -> None: ...
 
     def status(self) -> dict[str, Any]: ...
+
+
+class PageVerifier(Protocol):
+    """Checks a finished transfer's destination pages before they are published
+    (``HiCacheConfig.verify_pages``): an error message fails the transfer (the request
+    recomputes); None lets it publish."""
+
+    def verify(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> str | None: ...

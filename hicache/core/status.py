@@ -40,6 +40,7 @@ class ControllerStatus:
     pending_backups: int
     pending_restores: int
     requests: int  # admitted and not released
+    request_states: dict[str, int]  # live requests per ReqState
     write_policy: str
     transfer: dict[str, Any]
     storage: dict[str, Any] | None

@@ -86,6 +86,7 @@ class HiRadixTree:
         self.evictable = [0, 0, 0]
         self._heaps: list[list[tuple[int, int, Node]]] = [[], [], []]
         self.tracing = tracing
+        self.walks = 0  # root-to-leaf walks (match, insert): bookkeeping cost per request
         self.coverage: Counter[tuple[RunState, Event]] = Counter()
         self.trace: list[TraceEntry] = []
 
@@ -125,7 +126,7 @@ class HiRadixTree:
     def page_key(self, tokens: Sequence[int], start: int) -> Key:
         return tuple(tokens[start : start + self.page_size])
 
-    def _common(self, key: Key, tokens: tuple[int, ...], start: int) -> int:
+    def common(self, key: Key, tokens: tuple[int, ...], start: int) -> int:
         """Length of the page-aligned common prefix of ``key`` and ``tokens[start:]``."""
         n = len(key)
         if tokens[start : start + n] == key:
@@ -142,6 +143,7 @@ class HiRadixTree:
         One walk from the root. This operation does not modify the tree.
         """
         ps = self.page_size
+        self.walks += 1
         limit = len(tokens) - len(tokens) % ps
         lengths = [0, 0, 0]
         found: list[Node] = [self.root, self.root, self.root]
@@ -151,7 +153,7 @@ class HiRadixTree:
             child = node.children.get(tokens[i : i + ps])
             if child is None:
                 break
-            k = self._common(child.key, tokens, i)
+            k = self.common(child.key, tokens, i)
             if i + k > limit:
                 k = limit - i
             pages = child.pages
@@ -185,7 +187,7 @@ class HiRadixTree:
 
     def pages_of(self, match: TierMatch) -> list[int]:
         """The physical pages of ``match`` in token order (len = length // page_size)."""
-        self._check_fresh(match.node, match.tier, match.version)
+        self.check_fresh(match.node, match.tier, match.version)
         out: list[int] = []
         for n in self.path(match.node):
             pages = n.pages[match.tier]
@@ -196,7 +198,8 @@ class HiRadixTree:
 
     # -- locks -----------------------------------------------------------------------------
 
-    def _check_fresh(self, node: Node, tier: Tier, version: int) -> None:
+    def check_fresh(self, node: Node, tier: Tier, version: int) -> None:
+        """Raise HandleError if ``node``'s copy in ``tier`` was dropped since ``version``."""
         if node is self.root:
             return
         if not node.alive or node.pages[tier] is None or node.version[tier] != version:
@@ -204,12 +207,15 @@ class HiRadixTree:
 
     def lock(self, match: TierMatch) -> Lease:
         """Pin ``match``'s copy on the whole root-to-node path so it cannot be evicted."""
-        self._check_fresh(match.node, match.tier, match.version)
+        self.check_fresh(match.node, match.tier, match.version)
         return self.lock_node(match.node, match.tier, match.length)
 
-    def lock_node(self, node: Node, tier: Tier, length: int | None = None) -> Lease:
+    def lock_node(self, node: Node, tier: Tier, length: int | None = None, *, touch: bool = True) -> Lease:
+        """Pin ``tier``'s copy on the root..``node`` path. ``touch`` refreshes its LRU stamps
+        (a use); a transfer's own pins do not touch, so backing a run up leaves it as old as
+        it was (write_back evicts exactly the victim it backed up)."""
         t = tier.value
-        now = next(self._clock)
+        now = next(self._clock) if touch else 0
         n: Node | None = node
         while n is not None and n.parent is not None:
             pages = n.pages[t]
@@ -219,7 +225,8 @@ class HiRadixTree:
                 self.protected[t] += len(pages)
                 self.evictable[t] -= len(pages)
             n.refs[t] += 1
-            n.stamp[t] = now
+            if touch:
+                n.stamp[t] = now
             n = n.parent
         lease = Lease(next(self._lease_ids), tier, node, self.depth_tokens(node) if length is None else length)
         self.leases[lease.id] = lease
@@ -272,6 +279,7 @@ class HiRadixTree:
                 upper.tier_children[t] = 1
             upper.refs[t] = node.refs[t]
             upper.stamp[t] = node.stamp[t]
+        upper.hits = node.hits
         for d in range(4):
             transfer = node.inflight[d]
             pending = node.pending[d]
@@ -329,6 +337,16 @@ class HiRadixTree:
 
     # -- eviction index --------------------------------------------------------------------
 
+    def allows(self, node: Node, event: Event) -> bool:
+        """Whether the spec accepts ``event`` on ``node``'s run now."""
+        state = node.state
+        return state is not None and step(state, event) is not None
+
+    def touch(self, node: Node, tier: Tier) -> None:
+        """Mark ``node``'s copy in ``tier`` as just used (LRU)."""
+        node.stamp[tier] = next(self._clock)
+        self.push_candidate(node, tier)
+
     def is_evictable(self, node: Node, tier: Tier) -> bool:
         """Unlocked, a leaf in ``tier``, and the spec allows dropping that copy."""
         t = tier.value
@@ -360,6 +378,16 @@ class HiRadixTree:
             stamp, _, node = heapq.heappop(heap)
             if node.stamp[tier] == stamp and self.is_evictable(node, tier):
                 return node
+        return None
+
+    def peek_lru(self, tier: Tier) -> Node | None:
+        """The least recently used evictable leaf in ``tier``, left in the index."""
+        heap = self._heaps[tier]
+        while heap:
+            stamp, _, node = heap[0]
+            if node.stamp[tier] == stamp and self.is_evictable(node, tier):
+                return node
+            heapq.heappop(heap)
         return None
 
     def index_entries(self, tier: Tier) -> set[tuple[int, int]]:

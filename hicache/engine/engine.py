@@ -26,11 +26,13 @@ and no transfer ever runs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from enum import StrEnum
+from typing import Any
 
 import torch
 
@@ -39,10 +41,14 @@ from hicache.core.controller import PendingRestore, Request, WritePolicy
 from hicache.core.cost import CostPriors
 from hicache.core.geometry import DevicePage
 from hicache.core.tokens import as_tokens
-from hicache.engine.model import AttentionImpl, CudnnUse, ModelRunner, build_model, kv_geometry
-from hicache.errors import ConfigError
-from hicache.facade import HiCache, HiCacheConfig
+from hicache.engine.model import AttentionImpl, CudnnUse, ModelRunner, build_model, kv_geometry, model_geometry
+from hicache.errors import ConfigError, HiCacheError, IntegrityError
+from hicache.facade import HiCache, HiCacheConfig, _default_device
 from hicache.spec.model import Tier
+
+
+class RequestFailed(HiCacheError):
+    """:meth:`Engine.generate`'s request could not be served (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -53,14 +59,30 @@ class Output:
     ttft_s: float  # submit -> first token (includes queueing and any restore)
     latency_s: float  # submit -> last token
     cached_tokens: int  # prompt tokens not recomputed (L1 hit + restored)
-    restored_from: str  # "L1" (nothing restored), "L2" or "L3"
+    restored_from: str  # "L2" or "L3" when a restore served the prefix, else "L1" (nothing restored)
     restore_failed: bool = False  # a restore was planned but failed: the request recomputed
     error: str | None = None  # "aborted", or why the request could not be served
     restore_wait_s: float = 0.0  # restore started -> seen finished by a poll (0 without one)
     prefill_s: float = 0.0  # the prefill forward and its first token (GPU included)
 
 
-State = Literal["waiting", "restoring", "ready", "decoding"]
+class SeqState(StrEnum):
+    """Where a sequence is in the engine's loop."""
+
+    WAITING = "waiting"  # submitted, not admitted (the batch is full)
+    RESTORING = "restoring"  # its restore is in flight
+    READY = "ready"  # to prefill
+    DECODING = "decoding"
+
+
+@dataclass(eq=False)
+class _Layered:
+    """A prefill launched beside its restore's H2D: its logits are valid once the restore
+    is published, and only if the prefix it read is the one published."""
+
+    logits: torch.Tensor
+    cached: int  # prompt tokens it read from the restored prefix
+    prefix: list[DevicePage]  # the pages it read them from
 
 
 @dataclass(eq=False)
@@ -69,7 +91,7 @@ class _Seq:
     prompt: list[int]
     max_new: int
     arrived: float
-    state: State = "waiting"
+    state: SeqState = SeqState.WAITING
     req: Request | None = None
     restore: PendingRestore | None = None
     restored_from: str = "L1"
@@ -82,10 +104,8 @@ class _Seq:
     restore_started: float = 0.0
     restore_wait: float = 0.0
     prefill_s: float = 0.0
-    own: list[DevicePage] = field(default_factory=list)  # private pages allocated ahead (layered restore)
-    held: torch.Tensor | None = None  # logits of a layered prefill, valid once its restore is published
-    held_cached: int = 0  # the prompt tokens that prefill read from the restored prefix
-    held_prefix: list[DevicePage] = field(default_factory=list)  # the pages it read them from
+    own: list[DevicePage] = field(default_factory=list)  # private pages allocated ahead (layered)
+    layered: _Layered | None = None
 
 
 @dataclass
@@ -114,12 +134,45 @@ class EngineStats:
     cache_s: float = 0.0  # in hicache calls (bookkeeping; excludes blocking restore waits)
 
 
-class Engine:
-    def __init__(
-        self,
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings. ``cache`` fixes the KV layout (its geometry must be the
+    model's), the L1 pool size, the device and the tiers; hicache is on when it has L2
+    pages (else the engine keeps only its L1 prefix cache, policy ``never``)."""
+
+    cache: HiCacheConfig
+    model: str = "tiny"
+    max_batch: int = 32
+    prefills_before_decode: int = 1
+    prefetch: bool = True  # restores park while decode runs (False: blocking restores)
+    layered_restore: bool | None = None  # None: wherever the copy can signal layers (CUDA)
+    cuda_graphs: bool = True
+    graph_short_prefills: bool | None = None
+    attention: AttentionImpl = "auto"
+    cudnn: CudnnUse = "off"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache, HiCacheConfig):
+            raise ConfigError(f"cache must be a HiCacheConfig, got {type(self.cache).__name__}")
+        for name in ("max_batch", "prefills_before_decode"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if self.layered_restore and self.enabled and not self.prefetch:
+            raise ConfigError("layered_restore needs prefetch (a blocking restore has no forward to overlap)")
+
+    @property
+    def enabled(self) -> bool:
+        """hicache's L2 (and L3) behind the L1 prefix cache."""
+        return self.cache.l2_pages > 0
+
+    @classmethod
+    def create(
+        cls,
         model: str = "tiny",
         *,
-        device: str = "cuda" if torch.cuda.is_available() else "cpu",
+        device: str | None = None,
         dtype: torch.dtype = torch.float32,
         page_size: int = 16,
         num_pages: int = 1024,
@@ -132,74 +185,89 @@ class Engine:
         write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
         transfer_backend: TransferBackend = "auto",
         priors: CostPriors | None = None,
-        prefetch: bool = True,
-        max_batch: int = 32,
-        prefills_before_decode: int = 1,
-        cuda_graphs: bool = True,
-        graph_short_prefills: bool | None = None,
-        attention: AttentionImpl = "auto",
-        cudnn: CudnnUse = "off",
         verify_pages: bool = False,
-        layered_restore: bool | None = None,
-        seed: int = 0,
-        net: torch.nn.Module | None = None,
-    ) -> None:
-        if max_batch < 1:
-            raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
-        if prefills_before_decode < 1:
-            raise ConfigError(f"prefills_before_decode must be >= 1, got {prefills_before_decode}")
+        **engine: Any,
+    ) -> EngineConfig:
+        """A config from keyword settings (the cache's geometry taken from ``model``;
+        ``engine`` holds the other fields of :class:`EngineConfig`)."""
         if enable_hicache and not l2_pages:
             raise ConfigError("enable_hicache needs l2_pages > 0")
-        self.net = net if net is not None else build_model(model, device=device, dtype=dtype, seed=seed)
-        geometry = kv_geometry(self.net, page_size)
-        self.enabled = enable_hicache
-        self.prefetch = prefetch
-        self.max_batch = max_batch
-        self.cache = HiCache(
-            HiCacheConfig(
-                geometry,
-                l1_pages=num_pages,
-                l2_pages=l2_pages if enable_hicache else 0,
-                l3_pages=l3_pages if enable_hicache else 0,
-                storage_path=storage_path,
-                storage_direct=storage_direct,
-                policy=policy if enable_hicache else "never",
-                write_policy=write_policy,
-                transfer_backend=transfer_backend,
-                priors=priors or CostPriors(),
-                device=str(device),
-                verify_pages=verify_pages,
-            )
+        unknown = set(engine) - {f.name for f in dataclasses.fields(cls)} | ({"cache", "model"} & set(engine))
+        if unknown:
+            raise ConfigError(f"unknown engine settings {sorted(unknown)}")
+        cache = HiCacheConfig(
+            model_geometry(model, page_size, dtype),
+            l1_pages=num_pages,
+            l2_pages=l2_pages if enable_hicache else 0,
+            l3_pages=l3_pages if enable_hicache else 0,
+            storage_path=storage_path,
+            storage_direct=storage_direct,
+            policy=policy if enable_hicache else "never",
+            write_policy=write_policy,
+            transfer_backend=transfer_backend,
+            priors=priors or CostPriors(),
+            device=_default_device() if device is None else str(device),
+            verify_pages=verify_pages,
         )
-        groups = getattr(self.cache.device, "layer_groups", None)
+        return cls(cache, model, **engine)
+
+
+class Engine:
+    """The reference engine (see the module docstring).
+
+    ``Engine(EngineConfig(...))``, or ``Engine("tiny", num_pages=..., ...)`` with the
+    keywords of :meth:`EngineConfig.create`. ``net`` replaces the model built from
+    ``config.model`` (its KV geometry must match ``config.cache.geometry``).
+    """
+
+    def __init__(self, config: EngineConfig | str = "tiny", *, net: torch.nn.Module | None = None, **options: Any):
+        if isinstance(config, str):
+            config = EngineConfig.create(config, **options)
+        elif options:
+            raise ConfigError(f"give either an EngineConfig or keyword settings, not both: {sorted(options)}")
+        if not isinstance(config, EngineConfig):
+            raise ConfigError(f"config must be an EngineConfig or a model name, got {type(config).__name__}")
+        self.config = config
+        cc = config.cache
+        g = cc.geometry
+        if net is None:
+            net = build_model(config.model, device=cc.device, dtype=g.dtype, seed=config.seed)
+        self.net = net
+        if kv_geometry(self.net, g.page_size) != g:
+            raise ConfigError(f"the model's KV geometry {kv_geometry(self.net, g.page_size)} differs from {g}")
+        self.enabled = config.enabled
+        self.prefetch = config.prefetch
+        self.max_batch = config.max_batch
+        self.cache = HiCache(cc)
         self.runner = ModelRunner(
             self.net,
             self.cache.l1,
-            cuda_graphs=cuda_graphs,
-            graph_short_prefills=graph_short_prefills,
-            attention=attention,
-            cudnn=cudnn,
-            layer_groups=groups() if groups is not None else None,
+            cuda_graphs=config.cuda_graphs,
+            graph_short_prefills=config.graph_short_prefills,
+            attention=config.attention,
+            cudnn=config.cudnn,
+            layer_groups=self.cache.device.layer_groups(),
         )
-        if layered_restore and enable_hicache and not prefetch:
-            raise ConfigError("layered_restore needs prefetch (a blocking restore has no forward to overlap)")
-        if layered_restore is None:  # auto: where the copy can signal layers as they land
-            layered_restore = bool(getattr(self.cache.device, "layered", False))
-        self.layered = layered_restore and enable_hicache and prefetch  # without hicache nothing restores
-        self.page_size = page_size
-        self.cuda = torch.device(device).type == "cuda"
+        layered = config.layered_restore
+        if layered is None:  # auto: where the copy can signal layers as they land
+            layered = self.cache.device.layered
+        self.layered = bool(layered) and self.enabled and self.prefetch
+        self.page_size = g.page_size
+        self.cuda = torch.device(cc.device).type == "cuda"
         self.stats = EngineStats()
         self._ids = itertools.count(1)
         self._waiting: deque[_Seq] = deque()
         self._active: dict[int, _Seq] = {}  # restoring, ready or decoding, in arrival order
         self._finished: list[Output] = []
-        self.prefills_before_decode = prefills_before_decode
+        self.prefills_before_decode = config.prefills_before_decode
         self._prefills_in_row = 0
 
     # -- requests ----------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], max_new_tokens: int = 1) -> int:
-        """Queue a request; returns its id. Served by :meth:`step`."""
+        """Queue a request; returns its id. Served by :meth:`step`. Raises MisuseError for a
+        prompt that is empty or not ints, ConfigError for tokens outside the vocabulary, a bad
+        ``max_new_tokens``, or a request the L1 pool can never hold."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         toks = as_tokens(prompt)  # one C-level pass; raises MisuseError naming a bad token
@@ -207,6 +275,12 @@ class Engine:
         if min(toks) < 0 or max(toks) >= vocab:
             bad = next(t for t in toks if not 0 <= t < vocab)
             raise ConfigError(f"prompt token {bad!r} is not in [0, {vocab})")
+        need = -(-(len(toks) + max_new_tokens) // self.page_size)
+        if need > self.config.cache.l1_pages:
+            raise ConfigError(
+                f"no room in L1 for a prompt of {len(toks)} tokens and {max_new_tokens} new: it needs {need} "
+                f"pages of {self.page_size} tokens, the pool has {self.config.cache.l1_pages}"
+            )
         seq = _Seq(next(self._ids), list(toks), max_new_tokens, time.perf_counter())
         self._waiting.append(seq)
         self.stats.submitted += 1
@@ -222,13 +296,18 @@ class Engine:
             if seq is None:
                 return False
             self._waiting.remove(seq)
-        if seq.held is not None:
-            self.runner.join_layered()  # its pages go back now: later users wait for its writes
-        if seq.req is not None:
-            self.cache.release(seq.req)
+        self._drop(seq)
         self.stats.aborted += 1
         self._emit(seq, error="aborted")
         return True
+
+    def _drop(self, seq: _Seq) -> None:
+        """Give back everything ``seq`` holds in the cache."""
+        if seq.layered is not None:
+            self.runner.join_layered()  # its pages go back now: later users wait for its writes
+            seq.layered = None
+        if seq.req is not None and not seq.req.released:
+            self.cache.release(seq.req)
 
     @property
     def pending(self) -> int:
@@ -236,7 +315,10 @@ class Engine:
         return len(self._waiting) + len(self._active)
 
     def step(self) -> list[Output]:
-        """One scheduler iteration (see the module docstring); returns requests finished in it."""
+        """One scheduler iteration (see the module docstring); returns requests finished in it.
+
+        A request that cannot be served (a cache refusal, no room at all, out of device
+        memory in its forward) finishes with ``error`` set; the step goes on."""
         cache = self.cache
         t0 = time.perf_counter()
         finished = cache.poll()
@@ -244,14 +326,15 @@ class Engine:
         for restore in finished:
             self._restored(restore)
         while self._waiting and len(self._active) < self.max_batch:
-            self._admit(self._waiting.popleft())
-        ready = next((s for s in self._active.values() if s.state == "ready"), None)
-        decoding = [s for s in self._active.values() if s.state == "decoding"]
+            seq = self._waiting.popleft()
+            self._guarded(seq, self._admit)
+        ready = next((s for s in self._active.values() if s.state is SeqState.READY), None)
+        decoding = [s for s in self._active.values() if s.state is SeqState.DECODING]
         ran = False
-        restoring = any(s.state == "restoring" for s in self._active.values())
+        restoring = any(s.state is SeqState.RESTORING for s in self._active.values())
         if ready is not None and not (decoding and self._prefills_in_row >= self.prefills_before_decode):
             t0 = time.perf_counter()
-            ran = self._prefill(ready)
+            ran = bool(self._guarded(ready, self._prefill))
             self._prefills_in_row += ran
             if ran and restoring:
                 self.stats.prefill_s_while_restoring += time.perf_counter() - t0
@@ -259,12 +342,15 @@ class Engine:
             if decoding:
                 self._decode(decoding, restoring)
                 self._prefills_in_row = 0
-            elif ready is not None and not restoring:
-                self._fail(ready, f"no room in L1 for a prompt of {len(ready.prompt)} tokens")
+            elif ready is not None and ready.id in self._active and not restoring:
+                if cache.status().pending_backups:
+                    cache.drain()  # NOTE: pages pinned by backups free up when they land: wait, not fail
+                else:
+                    self._fail(ready, f"no room in L1 for a prompt of {len(ready.prompt)} tokens")
             elif self._active:
                 self.stats.idle_polls += 1
                 t0 = time.perf_counter()
-                if all(s.held is not None for s in self._active.values()):
+                if all(s.layered is not None for s in self._active.values()):
                     # NOTE: only layered restores in flight, each with its forward queued
                     # behind its layers: wait for the GPU instead of polling every 50 us.
                     self.runner.wait_layered()
@@ -274,6 +360,16 @@ class Engine:
         done, self._finished = self._finished, []
         return done
 
+    def _guarded(self, seq: _Seq, fn: Any) -> Any:
+        """Run ``fn(seq)``; a failure for this request's sake finishes it with an error."""
+        try:
+            return fn(seq)
+        except IntegrityError:
+            raise  # a bug in hicache: never hidden
+        except (HiCacheError, torch.OutOfMemoryError) as exc:
+            self._fail(seq, f"{type(exc).__name__}: {exc}")
+            return None
+
     def run(self) -> list[Output]:
         """Step until every submitted request has finished; outputs in completion order."""
         outs: list[Output] = []
@@ -282,13 +378,14 @@ class Engine:
         return outs
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1) -> Output:
-        """Serve one request to completion (other queued requests are served alongside)."""
+        """Serve one request to completion (other queued requests are served alongside);
+        raises :class:`RequestFailed` if it could not be served."""
         rid = self.submit(prompt, max_new_tokens)
         while True:
             for out in self.step():
                 if out.id == rid:
                     if out.error is not None:
-                        raise MemoryError(out.error)
+                        raise RequestFailed(f"request {rid}: {out.error}")
                     return out
 
     # -- scheduling --------------------------------------------------------------------------
@@ -296,9 +393,9 @@ class Engine:
     def _admit(self, seq: _Seq) -> None:
         cache = self.cache
         t0 = time.perf_counter()
-        seq.req = cache.admit(seq.prompt)
         self._active[seq.id] = seq
-        seq.state = "ready"
+        seq.state = SeqState.READY
+        seq.req = cache.admit(seq.prompt)
         plan = cache.plan(seq.req) if self.enabled else None
         self.stats.cache_s += time.perf_counter() - t0
         if plan is None or plan.tier is Tier.L1:
@@ -317,7 +414,7 @@ class Engine:
         if seq.restore is None:
             self._restore_failed(seq)
             return
-        seq.state = "restoring"
+        seq.state = SeqState.RESTORING
         if seq.restore.layered:
             self._launch_layered(seq)
         self.stats.restore_issue_s += time.perf_counter() - seq.restore_started
@@ -335,9 +432,9 @@ class Engine:
         if own is None:
             return  # no room now: the request prefills after its restore, as usual
         seq.own = own
-        seq.held_cached = cached
-        seq.held_prefix = restore.pages[: cached // ps]
-        seq.held = self.runner.forward([(prompt[cached:], seq.held_prefix + own, cached)], layered=True)[0]
+        prefix = restore.pages[: cached // ps]
+        logits = self.runner.forward([(prompt[cached:], prefix + own, cached)], layered=True)[0]
+        seq.layered = _Layered(logits, cached, prefix)
         self.stats.layered_prefills += 1
         self.stats.layered_launch_s += time.perf_counter() - t0
 
@@ -345,28 +442,28 @@ class Engine:
         seq = self._active.get(self._by_request(restore.request))
         if seq is None or seq.restore is not restore:
             return  # aborted meanwhile: the pages went to the tree
-        seq.state = "ready"
+        seq.state = SeqState.READY
         seq.restore_wait = time.perf_counter() - seq.restore_started
-        if restore.stage != "done":
+        if not restore.done:
             self._restore_failed(seq)
-        if seq.held is None:
+        layered, seq.layered = seq.layered, None
+        if layered is None:
             return
         self.runner.join_layered()  # its logits and pages are read (or reused) on this stream now
-        held, seq.held = seq.held, None
-        req, cached = seq.req, seq.held_cached
+        req = seq.req
         assert req is not None
-        t0 = time.perf_counter()
         ps = self.page_size
         # Serve its logits only where the normal prefill would read exactly that prefix.
         same = (
-            restore.stage == "done"
-            and min(req.cached_len, (len(seq.prompt) - 1) // ps * ps) == cached
-            and self.cache.prefix_pages(req)[: cached // ps] == seq.held_prefix
+            restore.done
+            and min(req.cached_len, (len(seq.prompt) - 1) // ps * ps) == layered.cached
+            and req.pages[: layered.cached // ps] == layered.prefix
         )
-        self.stats.cache_s += time.perf_counter() - t0
-        if same:  # the prefix it read is the one published: serve its logits
+        if same:
             self.stats.layered_used += 1
-            self._first_token(seq, held, cached, seq.own, time.perf_counter(), observe=False)
+            now = time.perf_counter()
+            logits, cached = layered.logits, layered.cached
+            self._guarded(seq, lambda s: self._first_token(s, logits, cached, s.own, now, observe=False))
 
     def _by_request(self, req: Request) -> int:
         return next((s.id for s in self._active.values() if s.req is req), -1)
@@ -377,7 +474,11 @@ class Engine:
         self.stats.restores_failed += 1
 
     def _prefill(self, seq: _Seq) -> bool:
-        """Prefill ``seq``'s uncached prompt tail; False (nothing changed) without L1 room."""
+        """Prefill ``seq``'s uncached prompt tail; False (nothing changed) without L1 room.
+
+        prompt  [0 ........ cached) [cached ................ len) + max_new
+                 the cache's pages    own pages (allocated now or ahead)
+        """
         cache, ps, req = self.cache, self.page_size, seq.req
         assert req is not None
         prompt = seq.prompt
@@ -411,10 +512,9 @@ class Engine:
         token = int(logits.argmax())  # waits for the GPU
         now = time.perf_counter()
         if observe and not self.runner.captured_last:
-            # NOTE: a forward that captured a CUDA graph is one-time setup, not a sample:
-            # one such (22 tokens, ~0.5 s) in the recompute window fitted a slope of 0 on
-            # the H200, and the cost policy recomputed for the next 32 requests.
-            cache.observe_prefill(len(prompt) - cached, now - t0)
+            # NOTE: a forward that captured a CUDA graph is one-time setup, not a sample of
+            # the recompute cost (it would teach the cost model a slope near 0).
+            cache.observe_prefill(len(prompt) - cached, max(now - t0, 0.0))
         self.stats.prefills += 1
         self.stats.prefill_tokens += len(prompt) - cached
         self.stats.prefill_s += now - t0
@@ -430,14 +530,19 @@ class Engine:
         seq.pages = cache.prefix_pages(req) + own[(req.cached_len - cached) // ps :]
         self.stats.cache_s += time.perf_counter() - t0
         seq.out.append(token)
-        seq.state = "decoding"
+        seq.state = SeqState.DECODING
         if len(seq.out) >= seq.max_new:
             self._complete(seq)
 
     def _decode(self, seqs: list[_Seq], restoring: bool) -> None:
         t0 = time.perf_counter()
         batch = [([s.out[-1]], s.pages, len(s.prompt) + len(s.out) - 1) for s in seqs]
-        tokens = self.runner.forward(batch).argmax(-1).tolist()  # waits for the GPU
+        try:
+            tokens = self.runner.forward(batch).argmax(-1).tolist()  # waits for the GPU
+        except torch.OutOfMemoryError as exc:
+            for seq in seqs:
+                self._fail(seq, f"OutOfMemoryError in decode: {exc}")
+            return
         seconds = time.perf_counter() - t0
         self.stats.decode_batches += 1
         self.stats.decode_tokens += len(seqs)
@@ -460,9 +565,8 @@ class Engine:
         self._emit(seq)
 
     def _fail(self, seq: _Seq, why: str) -> None:
-        del self._active[seq.id]
-        if seq.req is not None:
-            self.cache.release(seq.req)
+        self._active.pop(seq.id, None)
+        self._drop(seq)
         self.stats.errors += 1
         self._emit(seq, error=why)
 
@@ -486,8 +590,8 @@ class Engine:
     def status(self) -> dict[str, object]:
         return {
             "waiting": len(self._waiting),
-            "active": {st: sum(1 for s in self._active.values() if s.state == st) for st in get_args(State)},
-            "stats": self.stats.__dict__.copy(),
+            "active": {st.value: sum(1 for s in self._active.values() if s.state is st) for st in SeqState},
+            "stats": dataclasses.asdict(self.stats),
             "graphs": {"replays": self.runner.graph_replays, "eager": self.runner.eager_forwards},
             "cache": self.cache.status().to_dict(),
         }
@@ -495,6 +599,8 @@ class Engine:
     def close(self) -> None:
         """Abort everything in flight, then close the cache (drains its transfers) and the
         model runner (hands its CUDA streams on to the next engine's)."""
+        if self.cache.closed:
+            return
         for rid in [s.id for s in self._waiting] + list(self._active):
             self.abort(rid)
         self._finished.clear()

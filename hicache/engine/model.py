@@ -190,6 +190,22 @@ def build_model(
     return result
 
 
+def model_geometry(model: str, page_size: int, dtype: torch.dtype) -> KVGeometry:
+    """The KV geometry ``build_model(model, dtype=dtype)`` will have, without building it."""
+    if model in PRESETS:
+        spec = PRESETS[model]
+        layers, heads, dim = spec["num_hidden_layers"], spec["num_key_value_heads"], spec["head_dim"]
+    elif Path(model).is_dir():
+        from transformers import AutoConfig
+
+        cfg: Any = AutoConfig.from_pretrained(model, local_files_only=True)
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    else:
+        raise ConfigError(f"model must be one of {sorted(PRESETS)} or a local checkpoint directory, got {model!r}")
+    return KVGeometry(int(layers), int(heads), int(dim), page_size, dtype)
+
+
 def kv_geometry(net: torch.nn.Module, page_size: int) -> KVGeometry:
     """The KV geometry of ``net``'s attention (MHA/GQA) at ``page_size`` tokens per page."""
     cfg: Any = net.config

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hicache.spec.model import Direction, Tier
+from hicache.spec.request import ReqState
 
 Pages = tuple[int, ...]
 
@@ -41,6 +42,23 @@ class LeaseView:
     tier: Tier
     node: int
     alive: bool
+    length: int = 0  # tokens the holder uses (page aligned)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """A live request as the controller holds it (DESIGN.md §4b)."""
+
+    id: int
+    state: ReqState
+    cached_len: int
+    pages: Pages  # L1 pages of [0, cached_len)
+    lease: int | None  # its L1 pin
+    source: int | None  # its pin on the run a restore reads
+    transfer: int | None  # the restore's transfer in flight
+    restore_pages: Pages | None  # a layered restore's pages of [0, restore_tokens)
+    restore_tokens: int
+    private: Pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +74,4 @@ class Snapshot:
     protected: tuple[int, ...]  # stored counters, per tier
     evictable: tuple[int, ...]
     index: tuple[frozenset[tuple[int, int]], ...]  # eviction index entries (node id, stamp)
+    requests: dict[int, RequestView] | None = None  # None: a bare core (no request level)

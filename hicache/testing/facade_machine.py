@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import pytest
 import torch
 from hypothesis import note
 from hypothesis import strategies as st
@@ -29,8 +30,10 @@ from hicache.backends.ticket import Timings
 from hicache.core.controller import Request
 from hicache.core.geometry import KVGeometry
 from hicache.core.node import Node
+from hicache.errors import MisuseError
 from hicache.facade import HiCache, HiCacheConfig
 from hicache.spec.model import Tier
+from hicache.spec.request import ReqState
 from hicache.testing.fake_backend import page_tag
 
 G = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype=torch.float32)
@@ -88,6 +91,13 @@ class ScheduledMover:
     def read(self, slots: Sequence[int], host_pages: Sequence[int]) -> ScheduledTicket:
         return self._submit("read", slots, host_pages)
 
+    @property
+    def layered(self) -> bool:
+        return False
+
+    def layer_groups(self) -> list[tuple[int, int]]:
+        return [(0, G.num_layers)]
+
     def finish(self, i: int, ok: bool) -> None:
         ticket = self.queue.pop(i % len(self.queue))
         if ok:
@@ -143,7 +153,7 @@ class FacadeMachine(RuleBasedStateMachine):
                     "read": lambda a, b: (host, list(b)),
                 },
             )
-            c.device, c.storage = device, storage
+            c.controller.device, c.controller.storage = device, storage
             self.movers = [device, storage]
         self.requests: list[Request] = []
         self.prompts: list[tuple[int, ...]] = []
@@ -211,7 +221,9 @@ class FacadeMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 7), blocking=st.booleans(), layered=st.booleans())
     def restore(self, i: int, blocking: bool, layered: bool) -> None:
         req = self.requests[i % len(self.requests)]
-        if req.restore is not None and not req.restore.finished:
+        if req.state is not ReqState.ADMITTED:
+            with pytest.raises(MisuseError):
+                self.cache.start_restore(req)
             return
         if blocking and not self.scheduled:
             self.cache.restore(req)
@@ -223,7 +235,7 @@ class FacadeMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 7))
     def prefill_and_insert(self, i: int) -> None:
         req = self.requests[i % len(self.requests)]
-        if req.restore is not None and not req.restore.finished:
+        if req.state not in (ReqState.ADMITTED, ReqState.READY):
             return
         ps = G.page_size
         n = len(req.tokens) // ps - req.cached_len // ps
@@ -314,9 +326,10 @@ class FacadeMachine(RuleBasedStateMachine):
         for m in self.movers:
             while m.queue:
                 m.finish(0, True)
+        self.cache.check_integrity()
         self.cache.close()
         assert self.cache.core.status().leases == 0
-        self.cache.check_integrity()
+        self.cache.core.check_integrity()
 
 
 class RealBackendsMachine(FacadeMachine):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hicache import HiCache, HiCacheConfig
+from hicache.backends.verify import DigestVerifier
 from hicache.core.controller import Request
 from hicache.core.cost import CostPriors
 from hicache.core.geometry import KVGeometry
@@ -203,7 +204,9 @@ def test_verify_pages_catches_a_page_changed_behind_our_back(tier: Tier) -> None
         c.l2.page_buffer[c.core.pages(c.core.match(tokens).l2)[1]].view(-1).view(torch.uint8)[5] ^= 1
     else:  # L3's own checksums pass; the digest catches a bad page written through
         slot = c.core.pages(c.core.match(tokens).l3)[0]
-        c._slot_digest[slot] ^= 1
+        verifier = c.controller.verifier
+        assert isinstance(verifier, DigestVerifier)
+        verifier.slot_digests[slot] ^= 1
     req = c.admit(tokens)
     assert not c.restore(req, c.plan(req))
     assert c.metrics.verify_failures == 1 and c.metrics.fallbacks == 1 and req.cached_len == 0

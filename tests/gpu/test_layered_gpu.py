@@ -30,7 +30,7 @@ def hold_back_h2d(e: Engine) -> None:
     h2d = e.cache.device.h2d
 
     def late(src: list[int], dst: list[int], layer_events: object = None) -> object:
-        with torch.cuda.stream(e.cache.device.stream):  # type: ignore[attr-defined]
+        with torch.cuda.stream(e.cache.device.stream):
             torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
         return h2d(src, dst, layer_events=layer_events)  # type: ignore[arg-type]
 
