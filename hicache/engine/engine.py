@@ -309,6 +309,13 @@ class Engine:
         if seq.req is not None and not seq.req.released:
             self.cache.release(seq.req)
 
+    def state_of(self, rid: int) -> SeqState | None:
+        """Where request ``rid`` is in the loop; None once finished (or never submitted)."""
+        seq = self._active.get(rid)
+        if seq is not None:
+            return seq.state
+        return SeqState.WAITING if any(s.id == rid for s in self._waiting) else None
+
     @property
     def pending(self) -> int:
         """Requests submitted and not yet finished or aborted."""

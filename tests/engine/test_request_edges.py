@@ -1,0 +1,140 @@
+"""The engine at the request level's edges: prompts around a page under every write policy
+through L2 and L3 restores, aborts in every state, requests that can never fit, and the
+same tokens as a recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.engine import Engine
+from hicache.engine.engine import EngineConfig, RequestFailed, SeqState
+from hicache.errors import ConfigError, MisuseError
+from hicache.spec.model import Tier
+
+pytest.importorskip("transformers")
+
+PS = 4
+POLICIES = ["write_through", "write_through_selective", "write_back"]
+
+
+def engine(**kw: object) -> Engine:
+    args: dict[str, object] = dict(
+        device="cpu",
+        page_size=PS,
+        num_pages=48,
+        enable_hicache=True,
+        l2_pages=64,
+        l3_pages=128,
+        policy="always",
+        transfer_backend="torch",
+    )
+    args.update(kw)
+    return Engine("tiny", **args)  # type: ignore[arg-type]
+
+
+def drop(e: Engine, *tiers: Tier) -> None:
+    """Evict the tiers' unpinned copies; L1 through the cache, so write_back backs up first."""
+    e.cache.drain()
+    for t in tiers:
+        if t is Tier.L1:
+            st = e.cache.status().core.tiers[0]
+            req = e.cache.admit([1])
+            assert e.cache.allocate(req, st.free + st.evictable) is not None
+            e.cache.release(req)
+            e.cache.drain()
+        e.cache.core.evict(t, 10**6)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("length", [1, PS - 1, PS, PS + 1, 3 * PS + 2])
+def test_prompts_around_a_page_are_served_and_restored_bit_exactly(length: int, policy: str) -> None:
+    """1, page-1, page, page+1 tokens and more, under every write policy: the prompt again,
+    restored from L2 and then from L3, gives the tokens and first logits of an L1 hit."""
+    e = engine(write_policy=policy)
+    prompt = [(7 * i + 3) % 500 for i in range(length)]
+    e.generate(prompt, max_new_tokens=3)
+    hit = e.generate(prompt, max_new_tokens=3)  # over its cached prefix, as a restore reads it
+    e.generate(prompt, max_new_tokens=3)  # a second hit: write_through_selective backs it up
+    aligned = length - length % PS
+    assert hit.cached_tokens == aligned
+    for tiers, source in (((Tier.L1,), "L2"), ((Tier.L1, Tier.L2), "L3")):
+        drop(e, *tiers)
+        again = e.generate(prompt, max_new_tokens=3)
+        assert (again.restored_from, again.cached_tokens) == ((source, aligned) if aligned else ("L1", 0))
+        assert again.tokens == hit.tokens
+        assert again.first_logits is not None and hit.first_logits is not None
+        assert bool((again.first_logits == hit.first_logits).all())
+    e.cache.check_integrity()
+    e.close()
+
+
+def test_an_empty_or_impossible_prompt_is_refused_at_submit() -> None:
+    e = engine(num_pages=4)
+    with pytest.raises(MisuseError):
+        e.submit([])
+    with pytest.raises(ConfigError, match="no room in L1 for a prompt of 20 tokens"):
+        e.submit(list(range(20)), max_new_tokens=1)
+    assert e.pending == 0 and e.stats.submitted == 0
+    e.close()
+
+
+@pytest.mark.parametrize("when", ["waiting", "restoring", "ready", "decoding"])
+def test_an_abort_in_every_state_leaks_nothing(when: str) -> None:
+    """A request aborted while waiting, restoring (an L3 read in flight), ready (a decode
+    batch went first) or decoding gives back every page and pin; the rest are served."""
+    e = engine(max_batch=2)
+    cached = list(range(10, 30))
+    e.generate(cached, max_new_tokens=2)
+    drop(e, Tier.L1, Tier.L2)
+    e.submit(list(range(100, 110)), max_new_tokens=20)  # decoding in the background
+    e.step()
+    e.cache.faults.add("slow", op="read", delay_s=0.05)
+    rid = e.submit(cached if when == "restoring" else list(range(200, 215)), max_new_tokens=4)
+    third = e.submit(list(range(300, 310)), max_new_tokens=2)  # waits: the batch is full
+    target = third if when == "waiting" else rid
+    for _ in range(100):
+        if e.state_of(target) is SeqState(when):
+            break
+        e.step()
+    assert e.state_of(target) is SeqState(when)
+    assert e.abort(target)
+    outs = e.run()
+    assert sorted((o.id, o.error) for o in outs if o.error) == [(target, "aborted")] and len(outs) == 3
+    e.cache.drain()
+    st = e.cache.status()
+    assert st.requests == 0 and st.core.leases == 0 and st.core.tiers[0].private == 0
+    e.cache.check_integrity()
+    e.close()
+
+
+def test_a_request_that_cannot_be_served_finishes_with_an_error_and_the_engine_goes_on() -> None:
+    """A cache refusal inside the step fails that request only."""
+    e = engine()
+    rid = e.submit([1, 2, 3, 4, 5])
+    real = e.cache.admit
+
+    def refusing(tokens: object) -> object:
+        raise MisuseError("refused for this test")
+
+    e.cache.admit = refusing  # type: ignore[method-assign, assignment]
+    outs = e.step()
+    e.cache.admit = real  # type: ignore[method-assign]
+    assert [o.error for o in outs if o.id == rid] == ["MisuseError: refused for this test"]
+    assert e.generate([1, 2, 3]).error is None
+    with pytest.raises(RequestFailed):
+        e.cache.admit = refusing  # type: ignore[method-assign, assignment]
+        e.generate([4, 5])
+    e.close()
+
+
+def test_engine_config_is_the_one_way_settings_arrive() -> None:
+    cfg = EngineConfig.create("tiny", device="cpu", page_size=PS, num_pages=16, max_batch=2)
+    e = Engine(cfg)
+    assert e.max_batch == 2 and e.cache.config.l1_pages == 16 and not e.enabled
+    e.close()
+    with pytest.raises(ConfigError):
+        Engine(cfg, max_batch=3)
+    with pytest.raises(ConfigError):
+        EngineConfig.create("tiny", device="cpu", no_such_setting=1)
+    with pytest.raises(ConfigError):
+        EngineConfig.create("tiny", device="cpu", enable_hicache=True)  # no L2 pages
