@@ -88,6 +88,12 @@ def catalogue() -> list[BadInput]:
     closed = _closed()
     req = cache.admit([1, 2, 3, 4])
     cache.release(req)
+    live = cache.admit([1, 2, 3, 4])
+    running = cache.admit([7, 7])
+    pages = cache.allocate(running, 1)
+    assert pages is not None
+    cache.insert(running, pages)
+    state = lambda: (cache.status().to_dict(), live.state, live.cached_len)  # noqa: E731
     return [
         BadInput("geometry", "num_layers = 0", lambda: KVGeometry(0, 2, 8, 2), ConfigError, "num_layers"),
         BadInput("geometry", "head_dim = -8", lambda: KVGeometry(2, 2, -8, 2), ConfigError, "-8"),
@@ -241,6 +247,95 @@ def catalogue() -> list[BadInput]:
         ),
         BadInput("handles", "lock a stale match", _stale_lock, HandleError, "stale"),
         BadInput("lifecycle", "use after close()", lambda: closed.admit([1, 2]), MisuseError, "closed"),
+        BadInput(
+            "lifecycle", "observe_prefill after close()", lambda: closed.observe_prefill(4, 0.1), MisuseError, "closed"
+        ),
+        BadInput(
+            "config",
+            "storage_workers = 0 (refused before the L3 file opens)",
+            lambda: HiCacheConfig(G, l1_pages=4, l2_pages=4, l3_pages=4, storage_workers=0),
+            ConfigError,
+            "storage_workers",
+        ),
+        BadInput(
+            "config",
+            "selective_hits = 0",
+            lambda: HiCacheConfig(G, l1_pages=4, selective_hits=0),
+            ConfigError,
+            "selective",
+        ),
+        BadInput(
+            "config",
+            "L2 larger than the machine's memory",
+            lambda: HiCacheConfig(G, l1_pages=4, l2_pages=10**13),
+            ConfigError,
+            "host memory",
+        ),
+        BadInput(
+            "pool",
+            "L1 tensor that requires grad",
+            lambda: HiCache(
+                HiCacheConfig(G, l1_pages=4, device="cpu"), torch.zeros(2, 2, 4, 2, 2, 8, requires_grad=True)
+            ),
+            ConfigError,
+            "requires grad",
+        ),
+        BadInput(
+            "pool",
+            "L1 buffer that is a numpy array",
+            lambda: HiCache(HiCacheConfig(G, l1_pages=4, device="cpu"), cast(Any, [[0.0]])),
+            ConfigError,
+            "L1 pool",
+        ),
+        BadInput(
+            "requests",
+            "allocate a page count given as a string",
+            lambda: cache.allocate(live, cast(Any, "2")),
+            MisuseError,
+            "'2'",
+            state,
+        ),
+        BadInput("requests", "allocate -1 pages", lambda: cache.allocate(live, -1), MisuseError, "-1", state),
+        BadInput(
+            "requests",
+            "start_restore with a tier name as plan",
+            lambda: cache.start_restore(live, cast(Any, "L2")),
+            MisuseError,
+            "str",
+            state,
+        ),
+        BadInput(
+            "requests",
+            "insert a page the request does not own",
+            lambda: cache.insert(live, [DevicePage(5)]),
+            MisuseError,
+            "private pages",
+            state,
+        ),
+        BadInput(
+            "requests",
+            "insert twice",
+            lambda: cache.insert(running, []),
+            MisuseError,
+            "running",
+            state,
+        ),
+        BadInput(
+            "requests",
+            "observe_prefill with NaN seconds",
+            lambda: cache.observe_prefill(4, float("nan")),
+            MisuseError,
+            "nan",
+            state,
+        ),
+        BadInput(
+            "requests",
+            "note_decode with negative seconds",
+            lambda: cache.note_decode(-1.0),
+            MisuseError,
+            "-1.0",
+            state,
+        ),
     ]
 
 
