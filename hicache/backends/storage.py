@@ -201,6 +201,11 @@ class StorageBackend:
 
     # -- public ------------------------------------------------------------------------------
 
+    @property
+    def persistent(self) -> bool:
+        """The slot file's metadata is process-local: nothing outlives us."""
+        return False
+
     def write(self, host_pages: Sequence[int], slots: Sequence[int]) -> Ticket:
         """H2S: copy L2 pages into L3 slots (asynchronous)."""
         return self._submit(Direction.H2S, host_pages, slots)

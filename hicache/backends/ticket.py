@@ -46,6 +46,7 @@ class Ticket:
     extents: int = 0
     finished_at: float | None = None  # perf_counter when the work itself ended, if known
     _check: Callable[[bool], bool | None] | None = None  # (block) -> None while pending
+    _withdraw: Callable[[], bool] | None = None  # withdraws work not yet started; True if it did
 
     def poll(self) -> bool:
         """True once finished (successfully or not). Runs completion work exactly once."""
@@ -75,6 +76,15 @@ class Ticket:
         if self.finished_at is not None:
             t.queue_s = max(0.0, self.finished_at - self.started - t.enqueue_s - t.service_s)
         self._check = None
+
+    def cancel(self) -> bool:
+        """Withdraw the copy if none of it has started: True means nothing was or will be
+        written (the ticket then reports ``ok`` False); False means it runs to its end."""
+        if self.ok is not None or self._withdraw is None or not self._withdraw():
+            return False
+        self.error = "cancelled"
+        self._finish(False)
+        return True
 
     def fail_now(self, error: str) -> None:
         """Mark failed (used at enqueue time, before anything was issued)."""

@@ -34,6 +34,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -193,6 +194,7 @@ class Controller:
         self._requests: dict[int, Request] = {}
         self._deferred: dict[tuple[int, Direction], Node] = {}  # backups waiting for a transfer above them
         self._ids = itertools.count(1)
+        self.request_coverage: Counter[tuple[ReqState, ReqEvent]] = Counter()  # transitions taken
         self._owner = threading.get_ident()
         self.closed = False
 
@@ -212,10 +214,16 @@ class Controller:
         return req
 
     def _next(self, req: Request, event: ReqEvent, call: str) -> ReqState:
+        """The state ``event`` leads ``req`` to; MisuseError if the request model refuses it."""
         nxt = request_step(req.state, event)
         if nxt is None:
             raise MisuseError(f"{call}: request #{req.id} is {req.state.value}; {event.value!r} is not allowed there")
         return nxt
+
+    def _move(self, req: Request, event: ReqEvent, call: str) -> None:
+        nxt = self._next(req, event, call)
+        self.request_coverage[(req.state, event)] += 1
+        req.state = nxt
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -265,14 +273,14 @@ class Controller:
         self._live(req)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise MisuseError(f"allocate: page count must be an int >= 0, got {n!r}")
-        nxt = self._next(req, ReqEvent.ALLOCATE, "allocate")
+        self._next(req, ReqEvent.ALLOCATE, "allocate")
         if not self._make_room(Tier.L1, n):
             return None
         pages = self.core.allocate_l1(n)
         if pages is None:
             return None
         req.private.extend(pages)
-        req.state = nxt
+        self._move(req, ReqEvent.ALLOCATE, "allocate")
         return pages
 
     def insert(self, req: Request, pages: Sequence[DevicePage]) -> int:
@@ -287,7 +295,7 @@ class Controller:
         self._live(req)
         if isinstance(pages, (str, bytes)) or not isinstance(pages, Sequence):
             raise MisuseError(f"insert: pages must be a sequence of page ids, got {type(pages).__name__}")
-        nxt = self._next(req, ReqEvent.INSERT, "insert")
+        self._next(req, ReqEvent.INSERT, "insert")
         ps = self.core.page_size
         aligned = len(req.tokens) - len(req.tokens) % ps
         own = list(pages)
@@ -298,11 +306,11 @@ class Controller:
         if len(own) < need:
             raise MisuseError(f"insert needs {need} pages for tokens [{req.cached_len}, {aligned}), got {len(own)}")
         if need == 0:
-            req.state = nxt
+            self._move(req, ReqEvent.INSERT, "insert")
             return req.cached_len
         before = req.cached_len
         result = self.core.adopt(req.tokens[:aligned], [*req.pages, *own[:need]], len(req.pages))
-        req.state = nxt
+        self._move(req, ReqEvent.INSERT, "insert")
         lease = None
         if result.length:
             lease = self.core.lock(TierMatch(Tier.L1, result.length, result.node, result.node.version[Tier.L1]))
@@ -325,7 +333,15 @@ class Controller:
         restore in flight completes in the background into the tree."""
         self._enter()
         self._live(req)
+        self._move(req, ReqEvent.RELEASE, "release")
+        del self._requests[req.id]
         restore = req.restore
+        if restore is not None and not restore.finished:
+            job = None if restore.transfer is None else self._jobs.get(restore.transfer.id)
+            if job is not None and job.ticket.cancel():  # not started: nothing will land
+                del self._jobs[job.transfer.id]
+                self.core.cancel(job.transfer)
+                self._end_restore(restore, Outcome.CANCELLED, "released before its copy started")
         if restore is not None and restore.source is not None:
             self.core.release(restore.source)
             restore.source = None
@@ -336,8 +352,6 @@ class Controller:
             self.core.release(req.lease)
             req.lease = None
         req.pages = []
-        req.state = ReqState.RELEASED
-        del self._requests[req.id]
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Teach the recompute model: ``tokens`` new tokens were prefilled in ``seconds``."""
@@ -379,14 +393,14 @@ class Controller:
             raise MisuseError(f"start_restore: request #{req.id} is {req.state.value}; restore right after admit")
         plan = plan or self.plan(req)
         if plan.tier is Tier.L1 or plan.tokens <= req.cached_len:
-            req.state = self._next(req, ReqEvent.SKIP, "start_restore")
+            self._move(req, ReqEvent.SKIP, "start_restore")
             return None
         ps = self.core.page_size
         if plan.tokens % ps or plan.tokens > req.match[plan.tier].length or (plan.tier is Tier.L3 and not self.storage):
             raise MisuseError(f"start_restore: {plan} does not fit request #{req.id} (hits {req.match.lengths})")
         restore = PendingRestore(req, plan, time.perf_counter())
         if not self._commit(restore, layer_events):
-            req.state = self._next(req, ReqEvent.SKIP, "start_restore")
+            self._move(req, ReqEvent.SKIP, "start_restore")
             self.metrics.fallbacks += 1
             return None
         req.restore = restore
@@ -416,7 +430,7 @@ class Controller:
             core.release(restore.source)
             restore.source = None
             return False
-        req.state = self._next(req, ReqEvent.START_L2 if direction is Direction.H2D else ReqEvent.START_L3, "restore")
+        self._move(req, ReqEvent.START_L2 if direction is Direction.H2D else ReqEvent.START_L3, "restore")
         return True
 
     def restore(self, req: Request, plan: Plan | None = None) -> bool:
@@ -614,13 +628,13 @@ class Controller:
                 core.release(restore.source)
             restore.source = source
             if bottom.has(Tier.L1):  # another request brought it to L1 meanwhile: nothing to load
-                req.state = self._next(req, ReqEvent.PROMOTE, "restore")
+                self._move(req, ReqEvent.PROMOTE, "restore")
                 self._publish(restore, bottom, core.path_pages(bottom, Tier.L1))  # type: ignore[arg-type]
                 return
             if not core.can_start(Direction.H2D, bottom) or self._start(Direction.H2D, bottom, restore) is None:
                 self._end_restore(restore, Outcome.FAILED, "no L1 room for the H2D after promotion")
                 return
-            req.state = self._next(req, ReqEvent.PROMOTE, "restore")
+            self._move(req, ReqEvent.PROMOTE, "restore")
             return
         if req.released:
             self._end_restore(restore, Outcome.CANCELLED, None)
@@ -656,7 +670,7 @@ class Controller:
         if outcome is Outcome.FAILED:
             self.metrics.fallbacks += 1
         if not req.released:
-            req.state = self._next(req, ReqEvent.PUBLISH if outcome is Outcome.DONE else ReqEvent.FAIL, "restore")
+            self._move(req, ReqEvent.PUBLISH if outcome is Outcome.DONE else ReqEvent.FAIL, "restore")
 
     # -- observability and shutdown ----------------------------------------------------------
 
@@ -712,14 +726,23 @@ class Controller:
             self.poll()
 
     def close(self) -> None:
-        """Drain every transfer in flight (completing or failing it), release every request,
-        close storage. Afterwards every call but ``close`` raises MisuseError."""
+        """Release every request (a restore whose copy has not started is withdrawn), withdraw
+        backups not yet started (except to a persistent store), drain the rest, close
+        storage. Afterwards every call but ``close`` raises MisuseError."""
         if self.closed:
             return
         self._enter()
-        self.drain()
         for req in list(self._requests.values()):
             self.release(req)
+        keep = self.storage is not None and self.storage.persistent
+        for job in list(self._jobs.values()):
+            # NOTE: a backup not yet started is worthless once we close, unless it goes to a
+            # store that outlives us.
+            d = job.transfer.direction
+            if (d is Direction.D2H or (d is Direction.H2S and not keep)) and job.ticket.cancel():
+                del self._jobs[job.transfer.id]
+                self.core.cancel(job.transfer)
+        self.drain()
         if self.storage is not None:
             self.storage.close()
         self.closed = True

@@ -36,6 +36,10 @@ class TicketLike(Protocol):
 
     def wait(self) -> bool: ...
 
+    def cancel(self) -> bool:
+        """Withdraw work not yet started: True if nothing was or will be written."""
+        ...
+
 
 class DeviceMover(Protocol):
     """L1 <-> L2 (``TransferEngine``)."""
@@ -61,6 +65,11 @@ class DeviceMover(Protocol):
 
 class StorageMover(Protocol):
     """L2 <-> L3 (``StorageBackend``)."""
+
+    @property
+    def persistent(self) -> bool:
+        """Whether what is written outlives this process (a copy to it is worth finishing)."""
+        ...
 
     def write(self, host_pages: Sequence[int], slots: Sequence[int]) -> TicketLike: ...
 

@@ -1,21 +1,30 @@
 """A hypothesis state machine for the engine-facing :class:`~hicache.HiCache`.
 
-Requests arrive, match, restore (asynchronously or blocking), prefill, insert and are
-released or aborted at any point; write-through runs underneath; eviction hits every tier.
-Transfers go through :class:`ScheduledMover`, which wraps the real CPU backends: a transfer
-is queued with its destination poisoned (NaN), and the machine completes it (the real copy
-runs), fails it, or leaves it in flight, in any order. With ``scheduled = False`` the real
-backends run on their own (L3 on its I/O threads) and the machine injects faults instead.
+Each run draws a write policy and tier sizes (small L1s, so restores and inserts make room;
+L3 sometimes absent), then requests arrive with prompts around page boundaries, restore
+(asynchronously, layered or blocking), allocate, prefill, insert, allocate decode pages and
+are released in every request state; write-through runs underneath; eviction hits every tier.
+Calls the request model refuses must raise MisuseError and change nothing.
+
+Transfers go through :class:`ScheduledMover`, which wraps the real CPU backends: a transfer is
+queued with its destination poisoned (NaN), and the machine completes it (the real copy runs),
+fails it, or leaves it in flight, in any order; a queued one can be withdrawn (``cancel``).
+With ``scheduled = False`` the real backends run on their own (L3 on its I/O threads) and the
+machine injects faults instead.
 
 Each L1 page's bytes are a content tag of the token prefix it holds. After every step:
-``check_integrity()``; every live request's usable L1 pages (``prefix_pages``) hold exactly
-its prefix's tags (the ordering invariant: nothing readable before it is published); every
-page published in L1 or L2 holds the tag of its prefix.
+``check_integrity()`` (page runs and requests); every live request's usable L1 pages hold its
+prefix's tags (nothing readable before it is published); every page published in L1 or L2
+holds the tag of its prefix. ``coverage`` / ``request_coverage`` accumulate the page-run and
+request transitions taken over all runs (the test asserts both are complete).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -23,6 +32,7 @@ import pytest
 import torch
 from hypothesis import note
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hicache.backends.faults import FaultKind
@@ -32,11 +42,49 @@ from hicache.core.geometry import KVGeometry
 from hicache.core.node import Node
 from hicache.errors import MisuseError
 from hicache.facade import HiCache, HiCacheConfig
-from hicache.spec.model import Tier
-from hicache.spec.request import ReqState
+from hicache.spec.model import Event, RunState, Tier
+from hicache.spec.request import ReqEvent, ReqState
 from hicache.testing.fake_backend import page_tag
 
 G = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype=torch.float32)
+SIZES = [(8, 6, 10), (5, 6, 8), (4, 4, 0), (6, 3, 6)]  # (L1, L2, L3) pages
+POLICIES = ["write_through", "write_through_selective", "write_back"]
+
+# How to bring the prompt P (two pages) into each page-run state through the cache's calls,
+# with write-through and scheduled transfers (FacadeMachine._op says what each step does).
+RECIPES: dict[str, list[str]] = {
+    "none": [],
+    "L1": ["insert", "fail_copy"],
+    "D2H_PENDING": ["insert"],
+    "L1_L2": ["insert", "land_copy", "fail_io"],
+    "H2S_PENDING": ["insert", "land_copy"],
+    "L1_L2_L3": ["insert", "land_copy", "land_io"],
+    "L2": ["insert", "land_copy", "fail_io", "abort_all", "drop_L1"],
+    "H2D_PENDING": ["insert", "land_copy", "fail_io", "abort_all", "drop_L1", "restore"],
+    "L3": ["insert", "settle", "abort_all", "drop_L1", "drop_L2"],
+    "S2H_PENDING": ["insert", "settle", "abort_all", "drop_L1", "drop_L2", "restore"],
+    "L2_L3": ["insert", "settle", "abort_all", "drop_L1"],
+    "L2_L3__H2D": ["insert", "settle", "abort_all", "drop_L1", "restore"],
+    "L2__H2S": ["insert", "land_copy", "abort_all", "drop_L1"],
+    "L2__H2S_H2D": ["insert", "land_copy", "abort_all", "drop_L1", "restore"],
+    "L1_L3": ["insert", "settle", "drop_L2"],
+    "L1_L3__D2H": ["insert", "settle", "drop_L2", "extend"],
+    "L1_L3__S2H": ["insert", "extend", "settle", "abort_all", "drop_L2", "drop_L1_leaf", "restore_ext"],
+    # an extension's H2S deferred behind P's, started once P's lands: on E in L2 / H2D_PENDING
+    "E:L2+H2S": ["insert", "land_copy", "extend", "land_copy", "abort_all", "drop_L1", "land_io"],
+    "E:H2D+H2S": ["insert", "land_copy", "extend", "land_copy", "abort_all", "drop_L1", "restore_ext", "land_io"],
+}
+FOLLOW_UPS = [
+    "none", "land_copy", "fail_copy", "land_io", "fail_io", "abort_all", "recompute",
+    "drop_L1", "drop_L2", "drop_L3", "restore", "restore_ext", "extend", "abort_all+drop_L1",
+    "begin_copy", "begin_io+abort_all+drop_L1",
+]  # fmt: skip
+
+
+def _note(message: str) -> None:
+    """hypothesis' note() inside a test; nothing outside one (a recipe sweep)."""
+    with contextlib.suppress(InvalidArgument):
+        note(message)
 
 
 def tag_value(prefix: Sequence[int]) -> float:
@@ -51,31 +99,41 @@ class ScheduledTicket:
     error: str | None = None
     extents: int = 0
     timings: Timings = field(default_factory=Timings)
-    run: Any = None  # performs the real copy; returns True on success
+    run: Callable[[], bool] | None = None  # performs the real copy; returns True on success
+    mover: ScheduledMover | None = None
+    started: bool = False  # the copy began: it can no longer be withdrawn
 
     def poll(self) -> bool:
         return self.ok is not None
 
     def wait(self) -> bool:
         if self.ok is None:
+            if self.mover is not None and self in self.mover.queue:
+                self.mover.queue.remove(self)
+            assert self.run is not None
             self.ok = bool(self.run())
         return self.ok
+
+    def cancel(self) -> bool:
+        if self.ok is not None or self.started or self.mover is None or self not in self.mover.queue:
+            return False
+        self.mover.queue.remove(self)
+        self.ok, self.error = False, "cancelled"
+        return True
 
 
 class ScheduledMover:
     """Queues copies on the real backends until :meth:`finish` says complete or fail."""
 
-    def __init__(self, cache: HiCache, real: Any, direction_targets: dict[str, Any]) -> None:
-        self.cache = cache
+    def __init__(self, real: Any, poison: dict[str, Callable[[Sequence[int]], None]]) -> None:
         self.real = real
-        self.targets = direction_targets  # method name -> the tensor view poisoned on submit
+        self.poison = poison  # method name -> poisons that call's destination pages
         self.queue: list[ScheduledTicket] = []
 
     def _submit(self, name: str, a: Sequence[int], b: Sequence[int]) -> ScheduledTicket:
-        pool, pages = self.targets[name](a, b)
-        if pool is not None:
-            pool[pages] = float("nan")  # destinations hold garbage until completion
-        ticket = ScheduledTicket(len(a) * G.bytes_per_page, run=lambda: getattr(self.real, name)(a, b).wait())
+        self.poison[name](b)  # destinations hold garbage until completion
+        ticket = ScheduledTicket(len(a) * G.bytes_per_page, run=lambda: bool(getattr(self.real, name)(a, b).wait()))
+        ticket.mover = self
         self.queue.append(ticket)
         return ticket
 
@@ -99,14 +157,19 @@ class ScheduledMover:
         return [(0, G.num_layers)]
 
     def finish(self, i: int, ok: bool) -> None:
-        ticket = self.queue.pop(i % len(self.queue))
+        ticket = self.queue[i % len(self.queue)]
         if ok:
             ticket.wait()
         else:
+            self.queue.remove(ticket)
             ticket.ok, ticket.error = False, "scheduled failure"
 
     def close(self, *, wait: bool = True) -> None:
         self.real.close(wait=wait)
+
+    @property
+    def persistent(self) -> bool:
+        return bool(self.real.persistent)
 
     def status(self) -> dict[str, Any]:
         return dict(self.real.status(), scheduled=len(self.queue))
@@ -114,57 +177,63 @@ class ScheduledMover:
 
 class FacadeMachine(RuleBasedStateMachine):
     scheduled: ClassVar[bool] = True
-    sizes: ClassVar[tuple[int, int, int]] = (8, 6, 10)
+    coverage: ClassVar[Counter[tuple[RunState, Event]]] = Counter()
+    request_coverage: ClassVar[Counter[tuple[ReqState, ReqEvent]]] = Counter()
 
     def __init__(self) -> None:
         super().__init__()
-        l1, l2, l3 = self.sizes
-        self.cache = HiCache(
+        self.cache: HiCache | None = None
+        self.movers: list[ScheduledMover] = []
+        self.requests: list[Request] = []
+        self.prompts: list[tuple[int, ...]] = []
+
+    @property
+    def c(self) -> HiCache:
+        assert self.cache is not None
+        return self.cache
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _build(self, sizes: tuple[int, int, int], policy: str) -> None:
+        l1, l2, l3 = sizes
+        self.cache = c = HiCache(
             HiCacheConfig(
                 G,
                 l1_pages=l1,
                 l2_pages=l2,
                 l3_pages=l3,
                 policy="always",
+                write_policy=policy,
+                selective_hits=1,
                 device="cpu",
                 tracing=True,
                 transfer_backend="torch",
             )
         )
-        c = self.cache
-        self.movers: list[ScheduledMover] = []
-        if self.scheduled:
-            host = c.l2.page_buffer
-            dev = c.l1.buffer
-            device = ScheduledMover(
-                c,
-                c.device,
-                {
-                    "d2h": lambda a, b: (host, list(b)),
-                    "h2d": lambda a, b: (dev.transpose(0, 2), list(b)),
-                },
-            )
-            assert c.storage is not None
-            storage = ScheduledMover(
-                c,
-                c.storage,
-                {
-                    "write": lambda a, b: (None, []),
-                    "read": lambda a, b: (host, list(b)),
-                },
-            )
-            c.controller.device, c.controller.storage = device, storage
-            self.movers = [device, storage]
-        self.requests: list[Request] = []
-        self.prompts: list[tuple[int, ...]] = []
+        _note(f"sizes {sizes}, {policy}")
+        if not self.scheduled:
+            return
+        host, dev = c.l2.page_buffer, c.l1.buffer.transpose(0, 2)
 
-    # -- helpers -----------------------------------------------------------------------------
+        def poison(view: torch.Tensor) -> Callable[[Sequence[int]], None]:
+            def run(pages: Sequence[int]) -> None:
+                view[list(pages)] = float("nan")
+
+            return run
+
+        device = ScheduledMover(c.device, {"d2h": poison(host), "h2d": poison(dev)})
+        self.movers = [device]
+        c.controller.device = device
+        if c.storage is not None:
+            storage = ScheduledMover(c.storage, {"write": lambda pages: None, "read": poison(host)})
+            c.controller.storage = storage
+            self.movers.append(storage)
 
     def _fill(self, tokens: tuple[int, ...], first_page: int, pages: Sequence[int]) -> None:
         ps = G.page_size
         for i, p in enumerate(pages):
-            end = (first_page + i + 1) * ps
-            self.cache.l1.buffer[:, :, p] = tag_value(tokens[:end])
+            end = min(len(tokens), (first_page + i + 1) * ps)
+            self.c.l1.buffer[:, :, p] = tag_value(tokens[:end])
 
     def _settle(self) -> None:
         """Complete everything queued (scheduled) or wait for it (real backends)."""
@@ -172,47 +241,128 @@ class FacadeMachine(RuleBasedStateMachine):
             for m in self.movers:
                 while m.queue:
                     m.finish(0, True)
-            self.cache.poll()
-            st_ = self.cache.status()
+            self.c.poll()
+            st_ = self.c.status()
             if not st_.pending_backups and not st_.pending_restores:
                 return
             if not self.movers:
-                import time
-
                 time.sleep(0.002)
+
+    def _refused(self, req: Request, call: Callable[[], object]) -> None:
+        """A call the request model refuses raises MisuseError and changes nothing."""
+        before = (req.state, req.cached_len, list(req.pages), list(req.private), self.c.status().to_dict())
+        with pytest.raises(MisuseError):
+            call()
+        after = (req.state, req.cached_len, list(req.pages), list(req.private), self.c.status().to_dict())
+        assert before == after, [(k, v, after[-1][k]) for k, v in before[-1].items() if after[-1][k] != v]
 
     # -- rules -------------------------------------------------------------------------------
 
     @initialize(
-        seeds=st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=8), min_size=1, max_size=2),
-        drop=st.sampled_from([(Tier.L1,), (Tier.L1, Tier.L2)]),
+        sizes=st.sampled_from(SIZES),
+        policy=st.sampled_from(POLICIES),
+        seeds=st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=7), min_size=1, max_size=3),
+        drop=st.sampled_from([(), (Tier.L1,), (Tier.L1, Tier.L2), (Tier.L2,), (Tier.L1, Tier.L3)]),
+        recipe=st.one_of(st.just("none"), st.sampled_from(sorted(RECIPES))),
+        then=st.sampled_from(FOLLOW_UPS),
     )
-    def seed(self, seeds: list[list[int]], drop: tuple[Tier, ...]) -> None:
-        """Prompts written through to L3, then L1 (and maybe L2) drained: restores ahead."""
+    def seed(
+        self,
+        sizes: tuple[int, int, int],
+        policy: str,
+        seeds: list[list[int]],
+        drop: tuple[Tier, ...],
+        recipe: str,
+        then: str,
+    ) -> None:
+        """Either prompts inserted, backed up, then tiers drained (restores ahead), or (with
+        scheduled transfers) a prompt brought into a drawn page-run state through the cache's
+        own calls (:data:`RECIPES`, write-through, all three tiers), then drawn operations."""
+        if self.scheduled and recipe != "none":
+            self._build((8, 6, 10), "write_through")
+            _note(f"recipe {recipe} then {then}")
+            for op in [*RECIPES[recipe], *then.split("+")]:
+                self._op(op)
+            return
+        self._build(sizes, policy)
         for tokens in seeds:
             self.admit(tokens)
             self.prefill_and_insert(len(self.requests) - 1)
             self._settle()
             self.release(len(self.requests) - 1)
         for tier in drop:
-            self.cache.core.evict(tier, 10**6)
+            self.c.core.evict(tier, 10**6)
+
+    def _op(self, op: str) -> None:
+        """One step of a recipe, on the prompt ``P`` = (0, 0, 1, 1) and its extension ``P+E``."""
+        p, pe = [0, 0, 1, 1], [0, 0, 1, 1, 2, 2]
+        if op in ("insert", "extend", "recompute"):
+            self.admit(pe if op == "extend" else p)
+            self.prefill_and_insert(len(self.requests) - 1)
+        elif op in ("restore", "restore_ext"):
+            self.admit(pe if op == "restore_ext" else p)
+            self.restore(len(self.requests) - 1, blocking=False, layered=False)
+        elif op in ("land_copy", "fail_copy", "land_io", "fail_io"):
+            mover = self.movers[0 if op.endswith("copy") else 1]
+            while mover.queue:
+                mover.finish(0, op.startswith("land"))
+            self.c.poll()
+        elif op in ("begin_copy", "begin_io"):
+            for ticket in self.movers[0 if op.endswith("copy") else 1].queue:
+                ticket.started = True
+        elif op == "settle":
+            self._settle()
+        elif op.startswith("drop_"):
+            tier = Tier[op.removeprefix("drop_").removesuffix("_leaf")]
+            self.c.core.evict(tier, 1 if op.endswith("_leaf") else 10**6)
+        elif op == "abort_all":
+            while self.requests:
+                self.release(0)
+        elif op != "none":
+            raise ValueError(f"unknown recipe step {op!r}")
 
     def _has_prompts(self) -> bool:
         return bool(self.prompts)
 
     @precondition(_has_prompts)
-    @rule(i=st.integers(0, 7))
-    def readmit(self, i: int) -> None:
-        """A known prompt comes back (and may now be restored from L2/L3)."""
-        self.admit(list(self.prompts[i % len(self.prompts)]))
+    @rule(
+        i=st.integers(0, 7),
+        extra=st.sampled_from([(), (1,), (2, 0)]),
+        now=st.sampled_from(["restore", "layered", "later"]),
+    )
+    def readmit(self, i: int, extra: tuple[int, ...], now: str) -> None:
+        """A known prompt comes back, maybe extended, and (as the engine does) restores at
+        once — or later, or never (a split, an extension, a restore's room-making)."""
+        self.admit(list(self.prompts[i % len(self.prompts)]) + list(extra))
+        if now != "later":
+            self.restore(len(self.requests) - 1, blocking=False, layered=now == "layered")
 
-    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=8))
+    @precondition(_has_prompts)
+    @rule(i=st.integers(0, 7), layered=st.booleans())
+    def restore_known(self, i: int, layered: bool) -> None:
+        """A known prompt comes back and restores at once (the engine's admission)."""
+        self.readmit(i, (), "layered" if layered else "restore")
+
+    @precondition(_has_prompts)
+    @rule(i=st.integers(0, 7), extra=st.sampled_from([(), (0,), (1, 2)]))
+    def recompute(self, i: int, extra: tuple[int, ...]) -> None:
+        """A known prompt comes back and is prefilled without restoring: its pages are
+        inserted into runs that live only in L2/L3 (or are being restored by another)."""
+        self.admit(list(self.prompts[i % len(self.prompts)]) + list(extra))
+        self.prefill_and_insert(len(self.requests) - 1)
+
+    @rule(tier=st.sampled_from(Tier))
+    def pressure(self, tier: Tier) -> None:
+        """Everything unpinned in ``tier`` goes (another tenant's load)."""
+        self.c.core.evict(tier, 10**6)
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9))
     def admit(self, tokens: list[int]) -> None:
-        req = self.cache.admit(tokens)
+        req = self.c.admit(tokens)
         self.requests.append(req)
         if req.tokens not in self.prompts:
             self.prompts.append(req.tokens)
-        note(f"admit #{req.id} {req.tokens}: hit {req.hit}")
+        _note(f"admit #{req.id} {req.tokens}: hit {req.hit}")
 
     def _has_requests(self) -> bool:
         return bool(self.requests)
@@ -222,40 +372,65 @@ class FacadeMachine(RuleBasedStateMachine):
     def restore(self, i: int, blocking: bool, layered: bool) -> None:
         req = self.requests[i % len(self.requests)]
         if req.state is not ReqState.ADMITTED:
-            with pytest.raises(MisuseError):
-                self.cache.start_restore(req)
+            self._refused(req, lambda: self.c.start_restore(req))
             return
         if blocking and not self.scheduled:
-            self.cache.restore(req)
+            self.c.restore(req)
         else:  # layered: as the engine asks on CPU (no events to record; pages named early)
-            pending = self.cache.start_restore(req, layer_events=() if layered else None)
-            note(f"restore #{req.id}: {None if pending is None else pending.plan}, layered {layered}")
+            pending = self.c.start_restore(req, layer_events=() if layered else None)
+            _note(f"restore #{req.id}: {None if pending is None else pending.plan}, layered {layered}")
+
+    @precondition(_has_requests)
+    @rule(i=st.integers(0, 7), extra=st.integers(0, 2))
+    def allocate(self, i: int, extra: int) -> None:
+        """Private pages in any state that allows them (ahead of a layered prefill, for the
+        tail, for decode); refused in the others."""
+        req = self.requests[i % len(self.requests)]
+        if req.state in (ReqState.LOADING_L3, ReqState.RELEASED):
+            self._refused(req, lambda: self.c.allocate(req, 1))
+            return
+        pages = self.c.allocate(req, extra)
+        _note(f"allocate #{req.id} {extra}: {pages}")
+        if pages:
+            self._fill(req.tokens, len(req.tokens) // G.page_size + 8, pages)  # decode-side junk
 
     @precondition(_has_requests)
     @rule(i=st.integers(0, 7))
     def prefill_and_insert(self, i: int) -> None:
         req = self.requests[i % len(self.requests)]
-        if req.state not in (ReqState.ADMITTED, ReqState.READY):
+        if req.state not in (ReqState.ADMITTED, ReqState.READY, ReqState.PREFILLING):
+            self._refused(req, lambda: self.c.insert(req, []))
             return
         ps = G.page_size
-        n = len(req.tokens) // ps - req.cached_len // ps
-        if n == 0:
+        n = -(-len(req.tokens) // ps) - req.cached_len // ps
+        if n == 0:  # all cached, no tail: nothing to allocate
+            self.c.insert(req, [])
             return
-        pages = self.cache.allocate(req, n)
+        pages = self.c.allocate(req, n)
         if pages is None:
-            note(f"prefill #{req.id}: no room for {n} pages")
+            _note(f"prefill #{req.id}: no room for {n} pages")
             return
         self._fill(req.tokens, req.cached_len // ps, pages)
-        self.cache.insert(req, pages)
-        note(f"insert #{req.id}: cached_len {req.cached_len}")
+        self.c.insert(req, pages[: len(req.tokens) // ps - req.cached_len // ps])
+        _note(f"insert #{req.id}: cached_len {req.cached_len}")
+
+    def _has_restoring(self) -> bool:
+        return any(r.state in (ReqState.LOADING_L2, ReqState.LOADING_L3) for r in self.requests)
+
+    @precondition(_has_restoring)
+    @rule(i=st.integers(0, 7))
+    def abort_restoring(self, i: int) -> None:
+        """Abort a request whose restore is in flight (withdrawn if its copy has not started)."""
+        loading = [r for r in self.requests if r.state in (ReqState.LOADING_L2, ReqState.LOADING_L3)]
+        self.release(self.requests.index(loading[i % len(loading)]))
 
     @precondition(_has_requests)
     @rule(i=st.integers(0, 7))
     def release(self, i: int) -> None:
-        """Finish or abort (also with a restore in flight)."""
+        """Finish or abort, in whatever state the request is (a restore in flight too)."""
         req = self.requests.pop(i % len(self.requests))
-        note(f"release #{req.id}")
-        self.cache.release(req)
+        _note(f"release #{req.id} ({req.state.value})")
+        self.c.release(req)
 
     def _has_queued(self) -> bool:
         return any(m.queue for m in self.movers)
@@ -265,26 +440,38 @@ class FacadeMachine(RuleBasedStateMachine):
     def finish_transfer(self, which: int, i: int, ok: bool) -> None:
         movers = [m for m in self.movers if m.queue]
         movers[which % len(movers)].finish(i, ok)
-        self.cache.poll()
+        self.c.poll()
+
+    def _has_device_queued(self) -> bool:
+        return bool(self.movers and self.movers[0].queue)
+
+    @precondition(_has_device_queued)
+    @rule()
+    def complete_oldest_copy(self) -> None:
+        """L1 <-> L2 copies land soon and in order; storage I/O (only ``finish_transfer``)
+        stays in flight longer, as a disk does."""
+        self.movers[0].finish(0, True)
+        self.c.poll()
 
     @rule()
     def poll(self) -> None:
-        self.cache.poll()
+        self.c.poll()
 
     @rule(tier=st.sampled_from(Tier), n=st.sampled_from([1, 2, 100]))
     def evict(self, tier: Tier, n: int) -> None:
-        self.cache.core.evict(tier, n)
+        self.c.core.evict(tier, n)
 
     @rule(kind=st.sampled_from(["eio", "enospc", "short", "eof", "corrupt", "fail"]))
     def inject_fault(self, kind: FaultKind) -> None:
         if not self.scheduled:
-            self.cache.faults.add(kind)
+            self.c.faults.add(kind)
 
     # -- invariants --------------------------------------------------------------------------
 
     @invariant()
     def integrity(self) -> None:
-        self.cache.check_integrity()
+        if self.cache is not None:
+            self.c.check_integrity()
 
     @invariant()
     def usable_pages_hold_the_request_prefix(self) -> None:
@@ -292,11 +479,11 @@ class FacadeMachine(RuleBasedStateMachine):
         and holds exactly its own prefix's content."""
         ps = G.page_size
         for req in self.requests:
-            pages = self.cache.prefix_pages(req)
+            pages = self.c.prefix_pages(req)
             assert len(pages) == req.cached_len // ps
             for j, p in enumerate(pages):
                 want = tag_value(req.tokens[: (j + 1) * ps])
-                got = self.cache.l1.buffer[:, :, p]
+                got = self.c.l1.buffer[:, :, p]
                 assert bool((got == want).all()), f"request #{req.id} page {j} (L1 {p}) holds wrong content"
 
     @invariant()
@@ -305,17 +492,19 @@ class FacadeMachine(RuleBasedStateMachine):
         reads) are, once it is done, the request's prefix pages."""
         for req in self.requests:
             r = req.restore
-            if r is not None and r.pages is not None and r.stage == "done":
-                assert self.cache.prefix_pages(req)[: len(r.pages)] == r.pages, f"request #{req.id}"
+            if r is not None and r.pages is not None and r.done:
+                assert self.c.prefix_pages(req)[: len(r.pages)] == r.pages, f"request #{req.id}"
 
     @invariant()
     def published_pages_hold_their_prefix(self) -> None:
-        tree = self.cache.core.tree
+        if self.cache is None:
+            return
+        tree = self.c.core.tree
         stack: list[tuple[Node, tuple[int, ...]]] = [(c, ()) for c in tree.root.children.values()]
         while stack:
             node, above = stack.pop()
             full = above + node.key
-            for tier, view in ((Tier.L1, self.cache.l1.buffer.transpose(0, 2)), (Tier.L2, self.cache.l2.page_buffer)):
+            for tier, view in ((Tier.L1, self.c.l1.buffer.transpose(0, 2)), (Tier.L2, self.c.l2.page_buffer)):
                 pages = node.pages[tier]
                 for j, p in enumerate(pages or ()):
                     want = tag_value(full[: len(above) + (j + 1) * G.page_size])
@@ -323,16 +512,33 @@ class FacadeMachine(RuleBasedStateMachine):
             stack.extend((c, full) for c in node.children.values())
 
     def teardown(self) -> None:
-        for m in self.movers:
-            while m.queue:
-                m.finish(0, True)
-        self.cache.check_integrity()
-        self.cache.close()
-        assert self.cache.core.status().leases == 0
-        self.cache.core.check_integrity()
+        if self.cache is None:
+            return
+        self.c.check_integrity()
+        self.c.close()  # with transfers still queued: withdrawn or drained
+        st_ = self.c.core.status()
+        assert st_.leases == 0 and st_.tiers[0].private == 0 and sum(st_.transfers_in_flight.values()) == 0
+        self.c.core.check_integrity()
+        type(self).coverage.update(self.c.core.tree.coverage)
+        type(self).request_coverage.update(self.c.controller.request_coverage)
 
 
 class RealBackendsMachine(FacadeMachine):
     """The real CPU backends on their own threads, with injected faults."""
 
     scheduled = False
+    coverage: ClassVar[Counter[tuple[RunState, Event]]] = Counter()
+    request_coverage: ClassVar[Counter[tuple[ReqState, ReqEvent]]] = Counter()
+
+
+def sweep_recipes() -> None:
+    """Every recipe followed by every follow-up, then closed: each page-run state meets each
+    kind of next event at least once (the random machines add the interleavings)."""
+    for recipe in sorted(RECIPES):
+        for then in FOLLOW_UPS:
+            m = FacadeMachine()
+            m.seed(sizes=SIZES[0], policy="write_through", seeds=[[0, 0]], drop=(), recipe=recipe, then=then)
+            m.integrity()
+            m.usable_pages_hold_the_request_prefix()
+            m.published_pages_hold_their_prefix()
+            m.teardown()

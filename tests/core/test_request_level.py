@@ -446,3 +446,31 @@ def test_a_restore_commits_exactly_its_decision() -> None:
     assert torch.equal(content(c, c.prefix_pages(req)), kv)
     c.release(req)
     c.close()
+
+
+def test_a_restore_whose_prefix_reached_l1_meanwhile_names_the_whole_prefix() -> None:
+    """Between admission and the restore, another request brings the upper run into L1: the
+    H2D moves only the rest, and the layered page list still covers the whole prefix (the
+    upper run's L1 pages, then the H2D's)."""
+    c = make()
+    p, pe = [1, 1, 2, 2], [1, 1, 2, 2, 3, 3]
+    for toks in (p, pe):
+        r, _ = prefill(c, toks)
+        c.release(r)
+        settle(c)
+    c.core.evict(Tier.L1, 10**6)
+    a = c.admit(pe)
+    assert a.hit == (0, 6, 6)
+    b, kv_p = prefill(c, p)  # recomputes P into L1 while A waits
+    pending = c.start_restore(a, c.plan(a), layer_events=())
+    assert pending is not None and pending.pages is not None and len(pending.pages) == 3
+    assert pending.transfer is not None and len(pending.transfer.dst) == 1
+    assert pending.pages[:2] == c.prefix_pages(b)
+    c.check_integrity()
+    while not pending.finished:
+        c.poll()
+    assert pending.done and c.prefix_pages(a) == pending.pages
+    assert torch.equal(content(c, pending.pages[:2]), kv_p)
+    c.release(a)
+    c.release(b)
+    c.close()

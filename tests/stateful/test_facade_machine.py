@@ -1,24 +1,38 @@
-"""The facade under arbitrary request/transfer interleavings, scheduled and real backends."""
+"""The facade under arbitrary request/transfer interleavings, scheduled and real backends;
+together they take every page-run and every request transition."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from hicache.testing.facade_machine import FacadeMachine, RealBackendsMachine
+from hicache.spec.model import TABLE, Event, RunState
+from hicache.spec.request import REQUEST_TABLE, ReqEvent, ReqState
+from hicache.testing.facade_machine import FacadeMachine, RealBackendsMachine, sweep_recipes
 
 
-def test_facade_with_scheduled_transfers() -> None:
-    """Transfers complete, fail or wait in any order; content and integrity hold."""
+def test_facade_machines_keep_every_invariant_and_take_every_transition() -> None:
+    """Transfers complete, fail, are withdrawn or wait in any order (scheduled), or run on
+    real threads with injected faults; content and integrity hold after every step, and the
+    runs — with a sweep of every recipe state and next event — cover all declared page-run
+    and request transitions."""
     current = settings()
+    sweep_recipes()
     run_state_machine_as_test(
-        FacadeMachine, settings=settings(current, max_examples=max(50, current.max_examples // 4))
+        FacadeMachine, settings=settings(current, max_examples=max(60, current.max_examples // 2))
     )
-
-
-def test_facade_with_real_cpu_backends_and_faults() -> None:
-    """Real L2 memory and L3 file on I/O threads, with injected storage/transfer faults."""
-    current = settings()
     run_state_machine_as_test(
         RealBackendsMachine, settings=settings(current, max_examples=max(30, current.max_examples // 8))
     )
+    runs: Counter[tuple[RunState, Event]] = FacadeMachine.coverage + RealBackendsMachine.coverage
+    reqs: Counter[tuple[ReqState, ReqEvent]] = FacadeMachine.request_coverage + RealBackendsMachine.request_coverage
+    missing_runs = sorted(f"{s.name} --{e.value}-->" for (s, e) in TABLE if (s, e) not in runs)
+    missing_reqs = sorted(f"{s.value} --{e.value}-->" for (s, e) in REQUEST_TABLE if (s, e) not in reqs)
+    print(
+        f"\npage-run transitions {len(TABLE) - len(missing_runs)}/{len(TABLE)}, "
+        f"request transitions {len(REQUEST_TABLE) - len(missing_reqs)}/{len(REQUEST_TABLE)}"
+    )
+    assert not missing_reqs, missing_reqs
+    assert not missing_runs, missing_runs
