@@ -1,20 +1,32 @@
-"""L1 <-> L2 transfer bandwidth against a plain pinned copy of the same bytes (same run).
+"""L1 <-> L2 transfers against a plain pinned copy of the same bytes, measured in the same run.
 
-Qwen3-8B geometry (36 layers, 8 KV heads, head dim 128, bf16), page size 16 (2.25 MiB per
-page). For 1..1024 pages, consecutive and fragmented L2 pages, per direction: effective
-GiB/s end to end (call to completion) and its ratio to ``pinned.copy_(device,
-non_blocking=True)`` of the same byte count; gather/scatter kernel GiB/s (Triton and torch)
-against a device-to-device copy of the same bytes; speed-up over a naive copy (one copy per
-page per layer per K/V). Writes JSON + PNG under bench/results/. Needs CUDA.
+For each size (pages), consecutive and fragmented L2 pages (every other page), D2H and
+H2D: the time from the call to the completed ticket of
 
-    python bench/transfer.py [--pages 1 4 16 64 256 1024] [--reps 10]
+* ``default``: the engine as configured (its own choice of path per size),
+* ``ring``: forced through the ring (gather/scatter + DMA, chunk by chunk),
+* ``direct``: forced direct (one kernel on the pinned L2 pages in place; Triton only),
+
+each as GiB/s and as a ratio to ``pinned.copy_(device)`` (D2H) / ``device.copy_(pinned)``
+(H2D) of the same byte count; and the gather/scatter kernels (Triton, torch) against a
+device-to-device copy of the same bytes. L1 pages are every other page of the pool. It
+prints a table, the size up to which ``direct`` beat ``ring`` (the value for
+``TransferEngine(direct_max_bytes=...)``), and writes JSON (with meta: versions, commit,
+device, date) and a PNG to ``--out`` (default ``$HICACHE_BENCH_OUT`` or /tmp/hicache-bench).
+
+CUDA: the Qwen3-8B KV geometry (36 layers, 8 KV heads, head dim 128, bf16, page 16:
+2.25 MiB per page). CPU (CI smoke test): a small geometry, small sizes, the torch backend.
+
+    python bench/transfer.py [--pages 1 4 16 64 256 1024] [--reps 10] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from datetime import date
@@ -23,16 +35,30 @@ from typing import Any
 
 import torch
 
+from hicache.backends import kernels
 from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.ticket import Ticket
 from hicache.backends.transfer import GATHER, SCATTER, Copy, TransferEngine
 from hicache.core.geometry import KVGeometry
 
 QWEN3_8B = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+SMALL = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+TARGETS = {1: 0.5, 4: 0.8, 16: 0.8, 64: 0.95, 256: 0.95, 1024: 0.95}  # ratio to the plain pinned copy
+LAYOUTS = ("consecutive", "fragmented")
+
+
+def target(pages: int) -> float:
+    """The bar for a transfer of ``pages`` pages (the largest listed size not above it)."""
+    return TARGETS[max(k for k in TARGETS if k <= pages)] if pages >= 1 else 0.0
+
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
 
 
 def wall(fn: Callable[[], Any], reps: int) -> float:
-    """Median wall seconds of ``fn`` (which must synchronize) after one warm-up."""
+    """Median wall seconds of ``fn`` (which must finish its work) after one warm-up."""
     fn()
     samples = []
     for _ in range(reps):
@@ -42,8 +68,10 @@ def wall(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(samples)
 
 
-def gpu(fn: Callable[[], Any], reps: int) -> float:
-    """Median device seconds of ``fn`` measured with CUDA events."""
+def device_time(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
+    """Median device seconds of ``fn`` (CUDA events; wall time on CPU)."""
+    if not cuda:
+        return wall(fn, reps)
     fn()
     torch.cuda.synchronize()
     samples = []
@@ -57,181 +85,265 @@ def gpu(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(samples)
 
 
-def measure(
-    n: int,
-    l1: DevicePool,
-    l2: HostPool,
-    engine: TransferEngine,
-    plain_dev: torch.Tensor,
-    plain_host: torch.Tensor,
-    reps: int,
-    naive_max: int,
-) -> dict[str, Any]:
+def gpu(fn: Callable[[], Any], reps: int) -> float:
+    """Median device seconds of ``fn`` on CUDA (used by bench/layer_load.py)."""
+    return device_time(fn, reps, True)
+
+
+class Setup:
+    """The pools, the engines (default, ring, direct) and the plain copy buffers."""
+
+    def __init__(self, geometry: KVGeometry, top: int, device: str, backend: str) -> None:
+        self.cuda = device.startswith("cuda")
+        g = self.geometry = geometry
+        self.l1 = DevicePool.allocate(g, 2 * top + 8, device)
+        self.l1.buffer.copy_(torch.randn(self.l1.buffer.shape, device=device).to(g.dtype))
+        self.l2 = HostPool(g, 2 * top + 8, pin=self.cuda)
+        self.engines: dict[str, TransferEngine] = {
+            "default": TransferEngine(self.l1, self.l2, backend),  # type: ignore[arg-type]
+            "ring": TransferEngine(self.l1, self.l2, backend, direct_max_bytes=0, min_run_bytes=0),  # type: ignore[arg-type]
+        }
+        direct = TransferEngine(self.l1, self.l2, backend, direct_max_bytes=1 << 62, min_run_bytes=1 << 62)  # type: ignore[arg-type]
+        if direct.direct_usable:
+            self.engines["direct"] = direct
+        for engine in self.engines.values():  # memory, autotune and compiles outside the timings
+            for layout in (list(range(2)), [0, 2]):
+                assert engine.d2h([0, 2], layout).wait() and engine.h2d(layout, [1, 3]).wait()
+        nbytes = top * g.bytes_per_page
+        self.plain_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.plain_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+
+
+def measure(n: int, s: Setup, reps: int) -> dict[str, Any]:
     """Every figure for transfers of ``n`` pages."""
-    g = l1.geometry
+    g = s.geometry
     gib = 2.0**30
     nbytes = n * g.bytes_per_page
     l1_src = list(range(0, 2 * n, 2))  # L1 pages are scattered in the pool
     l1_dst = list(range(1, 2 * n, 2))
-    row: dict[str, Any] = {"pages": n, "bytes": nbytes}
+    row: dict[str, Any] = {"pages": n, "bytes": nbytes, "target": target(n)}
 
     def plain_d2h() -> None:
-        plain_host[:nbytes].copy_(plain_dev[:nbytes], non_blocking=True)
-        torch.cuda.synchronize()
+        s.plain_host[:nbytes].copy_(s.plain_dev[:nbytes], non_blocking=s.cuda)
+        sync(s.cuda)
 
     def plain_h2d() -> None:
-        plain_dev[:nbytes].copy_(plain_host[:nbytes], non_blocking=True)
-        torch.cuda.synchronize()
+        s.plain_dev[:nbytes].copy_(s.plain_host[:nbytes], non_blocking=s.cuda)
+        sync(s.cuda)
 
-    row["plain_d2h_gibs"] = nbytes / gib / wall(plain_d2h, reps)
-    row["plain_h2d_gibs"] = nbytes / gib / wall(plain_h2d, reps)
-    for label, l2_pages in (("consecutive", list(range(n))), ("fragmented", list(range(0, 2 * n, 2)))):
-        tickets: list[Ticket] = []
+    plain = {"d2h": nbytes / gib / wall(plain_d2h, reps), "h2d": nbytes / gib / wall(plain_h2d, reps)}
+    row["plain_d2h_gibs"], row["plain_h2d_gibs"] = plain["d2h"], plain["h2d"]
+    for layout, l2_pages in (("consecutive", list(range(n))), ("fragmented", list(range(0, 2 * n, 2)))):
+        for name, engine in s.engines.items():
+            tag = "" if name == "default" else f"_{name}"
+            for direction in ("d2h", "h2d"):
+                tickets: list[Ticket] = []
 
-        def d2h(pages: list[int] = l2_pages, out: list[Ticket] = tickets) -> None:
-            t = engine.d2h(l1_src, pages)
-            t.wait()
-            out.append(t)
+                def run(
+                    e: TransferEngine = engine,
+                    d: str = direction,
+                    pages: list[int] = l2_pages,
+                    out: list[Ticket] = tickets,
+                ) -> None:
+                    t = e.d2h(l1_src, pages) if d == "d2h" else e.h2d(pages, l1_dst)
+                    if not t.wait():
+                        raise RuntimeError(f"{d} of {n} pages failed: {t.error}")
+                    out.append(t)
 
-        def h2d(pages: list[int] = l2_pages, out: list[Ticket] = tickets) -> None:
-            t = engine.h2d(pages, l1_dst)
-            t.wait()
-            out.append(t)
-
-        for name, fn, plain in (("d2h", d2h, row["plain_d2h_gibs"]), ("h2d", h2d, row["plain_h2d_gibs"])):
-            tickets.clear()
-            row[f"{name}_{label}_gibs"] = nbytes / gib / wall(fn, reps)
-            row[f"{name}_{label}_ratio"] = row[f"{name}_{label}_gibs"] / plain
-            row[f"{name}_{label}_enqueue_ms"] = statistics.median(t.timings.enqueue_s for t in tickets) * 1e3
-            row[f"{name}_{label}_service_ms"] = statistics.median(t.timings.service_s for t in tickets) * 1e3
-            row[f"{name}_{label}_total_ms"] = statistics.median(t.timings.total_s for t in tickets) * 1e3
-    ids = torch.tensor(l1_src, device="cuda")
-    ids_dst = torch.tensor(l1_dst, device="cuda")
-    packed = torch.empty((n, 2 * g.num_layers, g.page_elements), dtype=g.dtype, device="cuda")
-    flat_src = l1.buffer.view(-1)[: packed.numel()]
+                key = f"{direction}_{layout}{tag}"
+                row[f"{key}_gibs"] = nbytes / gib / wall(run, reps)
+                row[f"{key}_ratio"] = row[f"{key}_gibs"] / plain[direction]
+                for part in ("enqueue", "service", "total"):
+                    row[f"{key}_{part}_ms"] = statistics.median(getattr(t.timings, f"{part}_s") for t in tickets) * 1e3
+        paths = s.engines["default"].paths
+        row[f"default_paths_{layout}"] = dict(paths)
+        paths.update(dict.fromkeys(paths, 0))
+    dev = s.l1.slabs.device
+    ids = torch.tensor(l1_src, device=dev)
+    ids_dst = torch.tensor(l1_dst, device=dev)
+    packed = torch.empty((n, 2 * g.num_layers, g.page_elements), dtype=g.dtype, device=dev)
+    flat_src = s.l1.buffer.view(-1)[: packed.numel()]
     flat_dst = packed.view(-1)
-    row["d2d_copy_gibs"] = nbytes / gib / gpu(lambda: flat_dst.copy_(flat_src), reps)
-    for impl in ("torch", "triton"):
+    row["d2d_copy_gibs"] = nbytes / gib / device_time(lambda: flat_dst.copy_(flat_src), reps, s.cuda)
+    impls = ["torch"] + (["triton"] if kernels.HAVE_TRITON and s.cuda else [])
+    for impl in impls:
         gather, scatter = GATHER[impl], SCATTER[impl]
 
         def run_gather(f: Copy = gather) -> None:
-            f(l1.slabs, ids, packed)
+            f(s.l1.slabs, ids, packed)
 
         def run_scatter(f: Copy = scatter) -> None:
-            f(packed, ids_dst, l1.slabs)
+            f(packed, ids_dst, s.l1.slabs)
 
-        row[f"gather_{impl}_gibs"] = nbytes / gib / gpu(run_gather, reps)
-        row[f"scatter_{impl}_gibs"] = nbytes / gib / gpu(run_scatter, reps)
-    row["gather_ratio"] = max(row["gather_torch_gibs"], row["gather_triton_gibs"]) / row["d2d_copy_gibs"]
-    row["scatter_ratio"] = max(row["scatter_torch_gibs"], row["scatter_triton_gibs"]) / row["d2d_copy_gibs"]
-    if n <= naive_max:
+        row[f"gather_{impl}_gibs"] = nbytes / gib / device_time(run_gather, reps, s.cuda)
+        row[f"scatter_{impl}_gibs"] = nbytes / gib / device_time(run_scatter, reps, s.cuda)
+    if "triton" in impls:  # other block sizes than the kernels' default (kernels.BLOCK)
+        for block in (1024, 16384):
 
-        def naive() -> None:
-            for i, p in enumerate(l1_src):
-                for kv in range(2):
-                    for layer in range(g.num_layers):
-                        l2.page_buffer[i, kv, layer].copy_(l1.buffer[kv, layer, p], non_blocking=True)
-            torch.cuda.synchronize()
+            def run_gather_b(b: int = block) -> None:
+                kernels.gather_triton(s.l1.slabs, ids, packed, block=b)
 
-        row["naive_d2h_gibs"] = nbytes / gib / wall(naive, max(2, reps // 4))
-        row["speedup_over_naive"] = row["d2h_consecutive_gibs"] / row["naive_d2h_gibs"]
+            def run_scatter_b(b: int = block) -> None:
+                kernels.scatter_triton(packed, ids_dst, s.l1.slabs, block=b)
+
+            row[f"gather_triton_b{block}_gibs"] = nbytes / gib / device_time(run_gather_b, reps, s.cuda)
+            row[f"scatter_triton_b{block}_gibs"] = nbytes / gib / device_time(run_scatter_b, reps, s.cuda)
+    row["gather_ratio"] = max(row[f"gather_{i}_gibs"] for i in impls) / row["d2d_copy_gibs"]
+    row["scatter_ratio"] = max(row[f"scatter_{i}_gibs"] for i in impls) / row["d2d_copy_gibs"]
     print(f"  {n} pages done", flush=True)
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pages", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--naive-max", type=int, default=256, help="largest n for the naive per-layer copy")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/transfer.py needs CUDA")
-    g = QWEN3_8B
-    top = max(args.pages)
-    l1 = DevicePool.allocate(g, 2 * top + 8, "cuda")
-    l1.buffer.copy_(torch.randn(l1.buffer.shape, device="cuda", dtype=torch.bfloat16))
-    l2 = HostPool(g, 2 * top + 8)
-    engine = TransferEngine(l1, l2, "auto")
-    engine.d2h([0], [0]).wait()  # autotune now, outside the timings
-    plain_dev = torch.empty(top * g.bytes_per_page, dtype=torch.uint8, device="cuda")
-    plain_host = torch.empty(top * g.bytes_per_page, dtype=torch.uint8, pin_memory=True)
-    rows = [measure(n, l1, l2, engine, plain_dev, plain_host, args.reps, args.naive_max) for n in args.pages]
-    meta = {
+def direct_up_to(rows: list[dict[str, Any]]) -> int | None:
+    """The largest size (bytes) up to which ``direct`` was at least as fast as ``ring``
+    in every direction and layout at every measured size; None if never measured."""
+    best = None
+    for r in rows:
+        keys = [f"{d}_{lay}" for d in ("d2h", "h2d") for lay in LAYOUTS]
+        if f"{keys[0]}_direct_gibs" not in r:
+            return None
+        if not all(r[f"{k}_direct_gibs"] >= r[f"{k}_ring_gibs"] for k in keys):
+            break
+        best = r["bytes"]
+    return best
+
+
+def meta_of(s: Setup, device: str) -> dict[str, Any]:
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except OSError:
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    g = s.geometry
+    return {
         "date": date.today().isoformat(),
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if s.cuda else "CPU",
         "torch": torch.__version__,
-        "geometry": "Qwen3-8B (36 layers, 8 KV heads, head dim 128, bf16), page size 16",
+        "triton": triton_version,
+        "commit": git("rev-parse", "HEAD") or "unknown",
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "geometry": f"{g.num_layers} layers, {g.num_kv_heads} KV heads, head dim {g.head_dim}, {g.dtype}, "
+        f"page size {g.page_size}",
         "bytes_per_page": g.bytes_per_page,
-        "engine": engine.status(),
+        "engines": {name: e.status() for name, e in s.engines.items()},
+        "direct_up_to_bytes": None,
     }
+
+
+def print_table(rows: list[dict[str, Any]], meta: dict[str, Any], names: list[str]) -> None:
     print(f"\nL1<->L2 transfers, {meta['device']}, {meta['date']}, {meta['geometry']}")
-    print(f"autotune: gather={engine.gather_backend} scatter={engine.scatter_backend} {engine.autotune_ms}")
-    print("median ms per transfer (enqueue / device service / total):")
+    e = meta["engines"]["default"]
+    print(f"default engine: gather={e['gather']} scatter={e['scatter']} direct<={e['direct_max_bytes']} B")
+    print("ratio to the plain pinned copy of the same bytes (target in brackets), per engine:")
+    head = f"{'pages':>5} {'MiB':>7} {'target':>6}"
+    for d in ("d2h", "h2d"):
+        for lay in LAYOUTS:
+            head += "  " + " ".join(f"{d.upper()} {lay[:4]} {n[:3]:>3}" for n in names)
+    print(head + f" {'gath/d2d':>8} {'scat/d2d':>8}")
+    for r in rows:
+        line = f"{r['pages']:>5} {r['bytes'] / 2**20:>7.1f} {r['target']:>6.2f}"
+        for d in ("d2h", "h2d"):
+            for lay in LAYOUTS:
+                cells = []
+                for n in names:
+                    key = f"{d}_{lay}{'' if n == 'default' else '_' + n}_ratio"
+                    cells.append(f"{r[key]:>12.2f}" if key in r else f"{'-':>12}")
+                line += "  " + " ".join(cells)
+        print(line + f" {r['gather_ratio']:>8.2f} {r['scatter_ratio']:>8.2f}")
+    blocks = sorted(k for k in rows[0] if k.startswith("gather_triton_b"))
+    if blocks:
+        print(f"gather/scatter GiB/s by Triton block (default {kernels.BLOCK}), against the d2d copy:")
+        for r in rows:
+            cells = [
+                f"d2d {r['d2d_copy_gibs']:.0f}",
+                f"b{kernels.BLOCK} {r['gather_triton_gibs']:.0f}/{r['scatter_triton_gibs']:.0f}",
+            ]
+            for k in blocks:
+                b = k.removeprefix("gather_triton_").removesuffix("_gibs")
+                cells.append(f"{b} {r[k]:.0f}/{r[f'scatter_triton_{b}_gibs']:.0f}")
+            print(f"  {r['pages']:>5} pages: " + "  ".join(cells))
+    print("median ms per default transfer (enqueue / device service / total):")
     for r in rows:
         parts = [
-            f"{k} {r[f'{k}_enqueue_ms']:.2f}/{r[f'{k}_service_ms']:.2f}/{r[f'{k}_total_ms']:.2f}"
+            f"{k} {r[f'{k}_enqueue_ms']:.3f}/{r[f'{k}_service_ms']:.3f}/{r[f'{k}_total_ms']:.3f}"
             for k in ("d2h_consecutive", "h2d_consecutive", "d2h_fragmented", "h2d_fragmented")
         ]
         print(f"  {r['pages']:>5} pages: " + "  ".join(parts))
-    hdr = (
-        f"{'pages':>5} {'MiB':>7} {'plain D2H':>9} {'D2H cons':>8} {'ratio':>5} {'D2H frag':>8} {'ratio':>5}"
-        f" {'plain H2D':>9} {'H2D cons':>8} {'ratio':>5} {'H2D frag':>8} {'ratio':>5}"
-        f" {'gather/d2d':>10} {'scatter/d2d':>11} {'vs naive':>8}"
-    )
-    print(hdr)
-    for r in rows:
-        vs_naive = f"{r['speedup_over_naive']:>7.1f}x" if "speedup_over_naive" in r else f"{'-':>8}"
-        print(
-            f"{r['pages']:>5} {r['bytes'] / 2**20:>7.0f} {r['plain_d2h_gibs']:>9.1f} {r['d2h_consecutive_gibs']:>8.1f}"
-            f" {r['d2h_consecutive_ratio']:>5.2f} {r['d2h_fragmented_gibs']:>8.1f} {r['d2h_fragmented_ratio']:>5.2f}"
-            f" {r['plain_h2d_gibs']:>9.1f} {r['h2d_consecutive_gibs']:>8.1f} {r['h2d_consecutive_ratio']:>5.2f}"
-            f" {r['h2d_fragmented_gibs']:>8.1f} {r['h2d_fragmented_ratio']:>5.2f}"
-            f" {r['gather_ratio']:>10.2f} {r['scatter_ratio']:>11.2f} {vs_naive}"
-        )
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"transfer-{meta['date']}-h200"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    up_to = meta["direct_up_to_bytes"]
+    if up_to is not None:
+        print(f"direct was at least as fast as the ring up to {up_to / 2**20:.1f} MiB: direct_max_bytes={up_to}")
+
+
+def plot(rows: list[dict[str, Any]], meta: dict[str, Any], names: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     xs = [r["pages"] for r in rows]
-    for key, label in (
-        ("plain_d2h_gibs", "plain pinned D2H"),
-        ("d2h_consecutive_gibs", "hicache D2H consecutive"),
-        ("d2h_fragmented_gibs", "hicache D2H fragmented"),
-        ("naive_d2h_gibs", "naive per-layer D2H"),
-    ):
-        axes[0].plot(
-            [r["pages"] for r in rows if key in r], [r[key] for r in rows if key in r], marker="o", label=label
-        )
-    for key, label in (
-        ("plain_h2d_gibs", "plain pinned H2D"),
-        ("h2d_consecutive_gibs", "hicache H2D consecutive"),
-        ("h2d_fragmented_gibs", "hicache H2D fragmented"),
-    ):
-        axes[1].plot(xs, [r[key] for r in rows], marker="o", label=label)
-    for key in (
-        "d2d_copy_gibs",
-        "gather_triton_gibs",
-        "gather_torch_gibs",
-        "scatter_triton_gibs",
-        "scatter_torch_gibs",
-    ):
-        axes[2].plot(xs, [r[key] for r in rows], marker="o", label=key.replace("_gibs", ""))
-    for ax, title in zip(axes, ("D2H GiB/s", "H2D GiB/s", "on-device GiB/s (bytes moved)"), strict=True):
+    for ax, d in zip(axes[:2], ("d2h", "h2d"), strict=True):
+        for n in names:
+            for lay, style in zip(LAYOUTS, ("-", "--"), strict=True):
+                key = f"{d}_{lay}{'' if n == 'default' else '_' + n}_ratio"
+                if key in rows[0]:
+                    ax.plot(xs, [r[key] for r in rows], style, marker="o", label=f"{n}, {lay}")
+        ax.step(xs, [r["target"] for r in rows], "k:", where="post", label="target")
+        ax.set_title(f"{d.upper()}: hicache / plain pinned copy")
+    for key, label in (("gather_ratio", "gather / d2d copy"), ("scatter_ratio", "scatter / d2d copy")):
+        axes[2].plot(xs, [r[key] for r in rows], marker="o", label=label)
+    axes[2].axhline(0.85, color="k", linestyle=":", label="target (>= 64 pages)")
+    axes[2].set_title("on-device gather / scatter")
+    for ax in axes:
+        ax.set_ylim(0, max(1.1, ax.get_ylim()[1]))
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("pages (2.25 MiB each)")
-        ax.set_title(title)
+        ax.set_xlabel(f"pages ({meta['bytes_per_page'] / 2**20:.2f} MiB each)")
+        ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"hicache transfers, {meta['device']}, {meta['date']}")
+    fig.suptitle(f"hicache L1<->L2 transfers, {meta['device']}, {meta['date']} (commit {meta['commit'][:10]})")
     fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=100)
-    print(f"wrote {stem}.json and .png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--pages", type=int, nargs="+", default=None, help="default: 1..1024 on CUDA, 1 4 16 on CPU")
+    ap.add_argument("--reps", type=int, default=None, help="default: 10 on CUDA, 3 on CPU")
+    ap.add_argument("--backend", default=None, help="transfer backend (default: auto on CUDA, torch on CPU)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("HICACHE_BENCH_OUT", "/tmp/hicache-bench")))
+    ap.add_argument("--tag", default=None, help="file name tag (default: h200, or the device)")
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    if not cuda:
+        torch.set_num_threads(1)  # NOTE: small CPU copies on a busy pool of threads stall ~20 ms at random
+    pages = args.pages or ([1, 4, 16, 64, 256, 1024] if cuda else [1, 4, 16])
+    reps = args.reps or (10 if cuda else 3)
+    s = Setup(QWEN3_8B if cuda else SMALL, max(pages), args.device, args.backend or ("auto" if cuda else "torch"))
+    rows = [measure(n, s, reps) for n in pages]
+    meta = meta_of(s, args.device)
+    meta["direct_up_to_bytes"] = direct_up_to(rows)
+    names = list(s.engines)
+    print_table(rows, meta, names)
+    tag = args.tag or ("h200" if "H200" in meta["device"] else meta["device"].lower().replace(" ", "-"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"transfer-{meta['date']}-{tag}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    plot(rows, meta, names, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json and {stem}.png")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ dependency: :data:`AVAILABLE` says whether it is installed and usable here.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ try:  # optional: the layer-pipelined restore needs it, nothing else does
     from cuda.bindings import runtime as _rt
 
     _H2D: Any = _rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+    _ANY: Any = _rt.cudaMemcpyKind.cudaMemcpyDefault
     _OK: Any = _rt.cudaError_t.cudaSuccess
     AVAILABLE = True
 except ImportError:  # pragma: no cover - machines without cuda-python
@@ -66,6 +68,25 @@ def copy_rows_raw(dst: int, dpitch: int, src: int, spitch: int, width: int, rows
     (err,) = _rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, _H2D, stream.cuda_stream)
     if err != _OK:
         raise RuntimeError(f"cudaMemcpy2DAsync failed: {err!r}")
+
+
+def copy_rows_host(dst: int, dpitch: int, src: int, spitch: int, width: int, rows: int) -> None:
+    """:func:`copy_rows_raw` between host addresses, synchronously (what a layered H2D does
+    on a machine without CUDA, so its address arithmetic runs in CPU tests)."""
+    for r in range(rows):
+        ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+
+def copy_raw(dst: int, src: int, nbytes: int, stream: Any) -> None:
+    """``nbytes`` from address ``src`` to ``dst`` (device or pinned host memory, direction
+    inferred through unified addressing), one DMA queued on ``stream``; unchecked. Its host
+    cost is a fraction of a ``Tensor.copy_`` (no views, no dispatch): transfers that issue
+    one DMA per run of fragmented L2 pages issue many."""
+    if nbytes == 0:
+        return
+    (err,) = _rt.cudaMemcpyAsync(dst, src, nbytes, _ANY, stream.cuda_stream)
+    if err != _OK:
+        raise RuntimeError(f"cudaMemcpyAsync failed: {err!r}")
 
 
 def new_stream(device: torch.device) -> Any:

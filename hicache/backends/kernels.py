@@ -29,36 +29,59 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     HAVE_TRITON = False
 
 
-def _check(slabs: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor) -> None:
+def _check(slabs: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor, packed_ids: torch.Tensor | None) -> None:
     if slabs.dim() != 3 or packed.dim() != 3:
         raise ConfigError(
             f"slabs must be [S, P, E] and packed [n, S, E]; got {tuple(slabs.shape)}, {tuple(packed.shape)}"
         )
     s, _, e = slabs.shape
-    if packed.shape[1:] != (s, e) or packed.shape[0] < ids.numel():
+    if packed.shape[1:] != (s, e) or (packed_ids is None and packed.shape[0] < ids.numel()):
         raise ConfigError(
             f"packed {tuple(packed.shape)} does not fit {ids.numel()} pages of slabs {tuple(slabs.shape)}"
         )
     if slabs.dtype != packed.dtype:
         raise ConfigError(f"dtype mismatch: slabs {slabs.dtype}, packed {packed.dtype}")
-    if slabs.device != packed.device or ids.device != slabs.device:
-        raise ConfigError(f"devices differ: slabs {slabs.device}, packed {packed.device}, ids {ids.device}")
-    if ids.dtype != torch.int64 or ids.dim() != 1:
-        raise ConfigError(f"ids must be a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    for name, t in (("ids", ids), ("packed_ids", packed_ids)):
+        if t is None:
+            continue
+        if t.dtype != torch.int64 or t.dim() != 1:
+            raise ConfigError(f"{name} must be a 1-D int64 tensor, got {t.dtype} {tuple(t.shape)}")
+        if t.device != slabs.device:
+            raise ConfigError(f"{name} must be on {slabs.device}, got {t.device}")
+    if packed_ids is not None and packed_ids.numel() != ids.numel():
+        raise ConfigError(f"{ids.numel()} pages for {packed_ids.numel()} packed pages")
+    if packed.device != slabs.device and not (packed_ids is not None and packed.is_pinned() and slabs.is_cuda):
+        raise ConfigError(
+            f"devices differ: slabs {slabs.device}, packed {packed.device} (only a pinned L2 pool, "
+            "addressed by page ids, may be read or written in place)"
+        )
     if not (slabs.is_contiguous() and packed.is_contiguous() and ids.is_contiguous()):
         raise ConfigError("slabs, packed and ids must be contiguous")
+    if packed_ids is not None and not packed_ids.is_contiguous():
+        raise ConfigError("packed_ids must be contiguous")
 
 
-def gather_torch(slabs: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor) -> None:
-    """``packed[i, s] = slabs[s, ids[i]]`` for ``i < len(ids)`` (torch twin)."""
-    _check(slabs, ids, packed)
-    packed[: ids.numel()].copy_(slabs.index_select(1, ids).transpose(0, 1))
+def gather_torch(
+    slabs: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor, packed_ids: torch.Tensor | None = None
+) -> None:
+    """``packed[i, s] = slabs[s, ids[i]]`` for ``i < len(ids)``; with ``packed_ids``,
+    ``packed[packed_ids[i], s]`` (torch twin; one device only)."""
+    _check(slabs, ids, packed, packed_ids)
+    rows = slabs.index_select(1, ids).transpose(0, 1)
+    if packed_ids is None:
+        packed[: ids.numel()].copy_(rows)
+    else:
+        packed.index_copy_(0, packed_ids, rows.to(packed.device))
 
 
-def scatter_torch(packed: torch.Tensor, ids: torch.Tensor, slabs: torch.Tensor) -> None:
-    """``slabs[s, ids[i]] = packed[i, s]`` for ``i < len(ids)`` (torch twin)."""
-    _check(slabs, ids, packed)
-    slabs.index_copy_(1, ids, packed[: ids.numel()].transpose(0, 1))
+def scatter_torch(
+    packed: torch.Tensor, ids: torch.Tensor, slabs: torch.Tensor, packed_ids: torch.Tensor | None = None
+) -> None:
+    """``slabs[s, ids[i]] = packed[i, s]`` for ``i < len(ids)``; with ``packed_ids``, from
+    ``packed[packed_ids[i], s]`` (torch twin; one device only)."""
+    _check(slabs, ids, packed, packed_ids)
+    rows = packed[: ids.numel()] if packed_ids is None else packed.index_select(0, packed_ids.to(packed.device))
+    slabs.index_copy_(1, ids, rows.to(slabs.device).transpose(0, 1))
 
 
 if HAVE_TRITON:
@@ -67,10 +90,12 @@ if HAVE_TRITON:
     def _gather_kernel(
         slabs_ptr,  # L1 slabs [S, P, E], contiguous
         ids_ptr,  # int64 [n]: physical L1 page of logical page i
-        packed_ptr,  # packed [n, S, E], contiguous
+        packed_ptr,  # packed [n, S, E] (or, with PACKED_IDS, L2 slabs [P2, S, E]), contiguous
+        packed_ids_ptr,  # int64 [n]: row of packed for page i (read only with PACKED_IDS)
         pool_pages,  # P
         num_slabs,  # S = 2 * layers
         page_elements,  # E
+        PACKED_IDS: tl.constexpr,  # packed rows are addressed through packed_ids
         BLOCK: tl.constexpr,  # elements per program along E
     ):
         row = tl.program_id(0).to(tl.int64)  # i * S + s
@@ -79,18 +104,23 @@ if HAVE_TRITON:
         page = row // num_slabs
         slab = row % num_slabs
         phys = tl.load(ids_ptr + page).to(tl.int64)
-        src = (slab * pool_pages + phys) * page_elements + col
-        vals = tl.load(slabs_ptr + src, mask=mask)
-        tl.store(packed_ptr + row * page_elements + col, vals, mask=mask)
+        if PACKED_IDS:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
+            out = tl.load(packed_ids_ptr + page).to(tl.int64) * num_slabs + slab
+        else:
+            out = row
+        vals = tl.load(slabs_ptr + (slab * pool_pages + phys) * page_elements + col, mask=mask)
+        tl.store(packed_ptr + out * page_elements + col, vals, mask=mask)
 
     @triton.jit
     def _scatter_kernel(
-        packed_ptr,  # packed [n, S, E], contiguous
+        packed_ptr,  # packed [n, S, E] (or, with PACKED_IDS, L2 slabs [P2, S, E]), contiguous
         ids_ptr,  # int64 [n]: physical L1 page of logical page i
         slabs_ptr,  # L1 slabs [S, P, E], contiguous
+        packed_ids_ptr,  # int64 [n]: row of packed for page i (read only with PACKED_IDS)
         pool_pages,  # P
         num_slabs,  # S = 2 * layers
         page_elements,  # E
+        PACKED_IDS: tl.constexpr,  # packed rows are addressed through packed_ids
         BLOCK: tl.constexpr,  # elements per program along E
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -99,56 +129,113 @@ if HAVE_TRITON:
         page = row // num_slabs
         slab = row % num_slabs
         phys = tl.load(ids_ptr + page).to(tl.int64)
-        vals = tl.load(packed_ptr + row * page_elements + col, mask=mask)
+        if PACKED_IDS:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
+            src = tl.load(packed_ids_ptr + page).to(tl.int64) * num_slabs + slab
+        else:
+            src = row
+        vals = tl.load(packed_ptr + src * page_elements + col, mask=mask)
         tl.store(slabs_ptr + (slab * pool_pages + phys) * page_elements + col, vals, mask=mask)
 
 
-def _launch(kernel: Any, a: torch.Tensor, ids: torch.Tensor, b: torch.Tensor, slabs: torch.Tensor) -> None:
+# Elements per program along E, and warps per program: bench/transfer.py times the
+# gather/scatter at other block sizes ("gather_triton_b16384_gibs", ...) to set these.
+BLOCK = 4096
+WARPS = 8
+
+
+def _launch(
+    kernel: Any,
+    a: torch.Tensor,
+    ids: torch.Tensor,
+    b: torch.Tensor,
+    slabs: torch.Tensor,
+    packed_ids: Any,
+    block: int | None,
+) -> None:
     if not HAVE_TRITON:
         raise ConfigError("triton is not installed")
     n = ids.numel()
     if n == 0:
         return
     s, p, e = slabs.shape
-    block = min(4096, triton.next_power_of_2(e))
+    block = min(block or BLOCK, triton.next_power_of_2(e))
+    if block < 1 or block & (block - 1):
+        raise ConfigError(f"block must be a power of two, got {block}")
     grid = (n * s, triton.cdiv(e, block))
-    kernel[grid](a, ids, b, p, s, e, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    kernel[grid](
+        a,
+        ids,
+        b,
+        ids if packed_ids is None else packed_ids,
+        p,
+        s,
+        e,
+        PACKED_IDS=packed_ids is not None,
+        BLOCK=block,
+        num_warps=4 if block <= 1024 else max(WARPS, block // 1024),
+    )
 
 
-def gather_triton(slabs: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor) -> None:
-    """``packed[i, s] = slabs[s, ids[i]]`` with one Triton launch."""
-    _check(slabs, ids, packed)
-    _launch(_gather_kernel, slabs, ids, packed, slabs)
+def gather_triton(
+    slabs: torch.Tensor,
+    ids: torch.Tensor,
+    packed: torch.Tensor,
+    packed_ids: torch.Tensor | None = None,
+    *,
+    block: int | None = None,
+) -> None:
+    """:func:`gather_torch` with one Triton launch. With ``packed_ids``, ``packed`` may be
+    the pinned L2 pool itself: the kernel writes host memory in place (a D2H without DMA).
+    ``block``: elements per program (a power of two; default :data:`BLOCK`)."""
+    _check(slabs, ids, packed, packed_ids)
+    _launch(_gather_kernel, slabs, ids, packed, slabs, packed_ids, block)
 
 
-def scatter_triton(packed: torch.Tensor, ids: torch.Tensor, slabs: torch.Tensor) -> None:
-    """``slabs[s, ids[i]] = packed[i, s]`` with one Triton launch."""
-    _check(slabs, ids, packed)
-    _launch(_scatter_kernel, packed, ids, slabs, slabs)
+def scatter_triton(
+    packed: torch.Tensor,
+    ids: torch.Tensor,
+    slabs: torch.Tensor,
+    packed_ids: torch.Tensor | None = None,
+    *,
+    block: int | None = None,
+) -> None:
+    """:func:`scatter_torch` with one Triton launch. With ``packed_ids``, ``packed`` may be
+    the pinned L2 pool itself: the kernel reads host memory in place (an H2D without DMA)."""
+    _check(slabs, ids, packed, packed_ids)
+    _launch(_scatter_kernel, packed, ids, slabs, slabs, packed_ids, block)
 
 
-# -- layer-ranged loads straight from L2 (zero-copy reads of pinned host memory) -----------
+# -- layer-ranged loads (the layered H2D) ---------------------------------------------------
 #
 # A restore that hands its pages to the model layer by layer (attention of layer l waits only
 # for layer l) needs the H2D in layer order. L2 is page-major (one DMA per run), so layer l
-# of n pages is 2n strided pieces. ``load_layers_triton`` reads them where they lie: on CUDA
-# the source is pinned host memory, which the kernel reads over PCIe through its unified
-# address (no staging copy, no DMA engine); under TRITON_INTERPRET=1 everything is on CPU.
-# It is a building block, measured by ``bench/layer_load.py``; no restore path uses it yet.
+# of n pages is 2n strided pieces. ``load_layers_triton`` moves layers ``[lo, hi)`` of n
+# pages into L1 from either
+#
+#   src [P2, 2*L, E]        the pinned L2 pool, read in place over PCIe (zero-copy), or
+#   src [n, 2*(hi-lo), E]   a compact device workspace (``compact``): per page the K slabs of
+#                           those layers, then their V slabs (what strided DMAs put there).
 
 
 def _check_load(
-    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, layers: tuple[int, int]
+    src: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst: torch.Tensor,
+    dst_ids: torch.Tensor,
+    layers: tuple[int, int],
+    compact: bool,
 ) -> None:
-    if src.dim() != 3 or dst.dim() != 3 or src.shape[1] != dst.shape[0] or src.shape[2] != dst.shape[2]:
-        raise ConfigError(
-            f"src must be L2 slabs [P2, S, E] and dst L1 slabs [S, P1, E]; got {tuple(src.shape)}, {tuple(dst.shape)}"
-        )
-    if src.shape[1] % 2:
-        raise ConfigError(f"S = 2 * layers must be even, got {src.shape[1]}")
+    if dst.dim() != 3 or dst.shape[0] % 2:
+        raise ConfigError(f"dst must be L1 slabs [S, P1, E] with S = 2 * layers, got {tuple(dst.shape)}")
     lo, hi = layers
-    if not 0 <= lo < hi <= src.shape[1] // 2:
-        raise ConfigError(f"layers [{lo}, {hi}) outside [0, {src.shape[1] // 2})")
+    if not 0 <= lo < hi <= dst.shape[0] // 2:
+        raise ConfigError(f"layers [{lo}, {hi}) outside [0, {dst.shape[0] // 2})")
+    want = 2 * (hi - lo) if compact else dst.shape[0]
+    if src.dim() != 3 or src.shape[1] != want or src.shape[2] != dst.shape[2]:
+        raise ConfigError(
+            f"src must be {'a compact workspace [n, 2*(hi-lo), E]' if compact else 'L2 slabs [P2, S, E]'} for dst "
+            f"[S, P1, E] = {tuple(dst.shape)} and layers {layers}; got {tuple(src.shape)}"
+        )
     if src.dtype != dst.dtype:
         raise ConfigError(f"dtype mismatch: src {src.dtype}, dst {dst.dtype}")
     for name, ids in (("src_ids", src_ids), ("dst_ids", dst_ids)):
@@ -163,34 +250,45 @@ def _check_load(
 
 
 def load_layers_torch(
-    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, layers: tuple[int, int]
+    src: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst: torch.Tensor,
+    dst_ids: torch.Tensor,
+    layers: tuple[int, int],
+    *,
+    compact: bool = False,
 ) -> None:
     """``dst[kv * L + l, dst_ids[i]] = src[src_ids[i], kv * L + l]`` for K/V ``kv`` and
-    layers ``l`` in ``[layers[0], layers[1])`` (torch twin; the source is gathered on its
-    own device first)."""
-    _check_load(src, src_ids, dst, dst_ids, layers)
-    half = src.shape[1] // 2
+    layers ``l`` in ``[layers[0], layers[1])``; a ``compact`` source holds only those
+    layers (``src[i, kv * (hi - lo) + l - lo]``). Torch twin; the source is gathered on its
+    own device first."""
+    _check_load(src, src_ids, dst, dst_ids, layers, compact)
+    half = dst.shape[0] // 2
+    lo, hi = layers
 
-    def slabs(device: torch.device) -> torch.Tensor:  # made where used: no upload, no host wait
-        k = torch.arange(*layers, device=device)
-        return torch.cat([k, k + half])
+    def slabs(device: torch.device, base: int, stride: int) -> torch.Tensor:  # made where used: no upload
+        k = torch.arange(base, base + hi - lo, device=device)
+        return torch.cat([k, k + stride])
 
-    rows = src.index_select(0, src_ids.to(src.device)).index_select(1, slabs(src.device))
-    dst[slabs(dst.device).view(-1, 1), dst_ids.view(1, -1)] = rows.transpose(0, 1).to(dst.device)
+    picked = slabs(src.device, 0, hi - lo) if compact else slabs(src.device, lo, half)
+    rows = src.index_select(0, src_ids.to(src.device)).index_select(1, picked)
+    dst[slabs(dst.device, lo, half).view(-1, 1), dst_ids.view(1, -1)] = rows.transpose(0, 1).to(dst.device)
 
 
 if HAVE_TRITON:
 
     @triton.jit
     def _load_kernel(
-        src_ptr,  # L2 slabs [P2, S, E], contiguous (pinned host memory on CUDA)
-        src_ids_ptr,  # int64 [n]: L2 page of page i
+        src_ptr,  # L2 slabs [P2, S, E] (pinned host memory on CUDA) or a compact [n, 2*count, E]
+        src_ids_ptr,  # int64 [n]: source page (row) of page i
         dst_ptr,  # L1 slabs [S, P1, E], contiguous
         dst_ids_ptr,  # int64 [n]: L1 page of page i
         dst_pages,  # P1
         half,  # S // 2 = layers
         layer_lo,
         layer_count,
+        src_half,  # slabs per K (or V) in a source page: layers, or layer_count if compact
+        src_lo,  # the first layer's index among them: layer_lo, or 0 if compact
         page_elements,  # E
         rows,  # n * 2 * layer_count
         BLOCK: tl.constexpr,
@@ -202,11 +300,13 @@ if HAVE_TRITON:
             row = tl.cast(r, tl.int64)  # (i * 2 + kv) * layer_count + (layer - layer_lo)
             i = row // (2 * layer_count)
             kv = (row // layer_count) % 2
-            slab = kv * half + layer_lo + row % layer_count
+            layer = row % layer_count
             src_page = tl.load(src_ids_ptr + i).to(tl.int64)
             dst_page = tl.load(dst_ids_ptr + i).to(tl.int64)
-            vals = tl.load(src_ptr + (src_page * 2 * half + slab) * page_elements + col, mask=mask)
-            tl.store(dst_ptr + (slab * dst_pages + dst_page) * page_elements + col, vals, mask=mask)
+            src_slab = src_page * 2 * src_half + kv * src_half + src_lo + layer
+            vals = tl.load(src_ptr + src_slab * page_elements + col, mask=mask)
+            dst_slab = kv * half + layer_lo + layer
+            tl.store(dst_ptr + (dst_slab * dst_pages + dst_page) * page_elements + col, vals, mask=mask)
 
 
 def load_layers_triton(
@@ -217,14 +317,14 @@ def load_layers_triton(
     layers: tuple[int, int],
     *,
     programs: int | None = None,
+    compact: bool = False,
 ) -> None:
     """:func:`load_layers_torch` in one Triton launch that reads ``src`` where it lies.
-    ``src`` may also be a device buffer of the same layout (a packed workspace). With
-    ``programs``, at most that many programs per column block loop over the rows (a load
-    that runs beside a forward then takes only a few SMs)."""
+    With ``programs``, at most that many programs per column block loop over the rows (a
+    load that runs beside a forward then takes only a few SMs)."""
     if not HAVE_TRITON:
         raise ConfigError("triton is not installed")
-    _check_load(src, src_ids, dst, dst_ids, layers)
+    _check_load(src, src_ids, dst, dst_ids, layers, compact)
     if dst.is_cuda and not src.is_cuda and not src.is_pinned():
         raise ConfigError("a CUDA load reads host memory in place: src must be pinned (an L2 HostPool's slabs)")
     if programs is not None and programs < 1:
@@ -233,7 +333,8 @@ def load_layers_triton(
     if n == 0:
         return
     s, p, e = dst.shape
-    count = layers[1] - layers[0]
+    lo, hi = layers
+    count = hi - lo
     rows = n * 2 * count
     block = min(4096, triton.next_power_of_2(e))
     grid = (min(rows, programs or rows), triton.cdiv(e, block))
@@ -244,8 +345,10 @@ def load_layers_triton(
         dst_ids,
         p,
         s // 2,
-        layers[0],
+        lo,
         count,
+        count if compact else s // 2,
+        0 if compact else lo,
         e,
         rows,
         BLOCK=block,
@@ -253,27 +356,39 @@ def load_layers_triton(
     )
 
 
-def warm_load_layers(dst: torch.Tensor, groups: Sequence[tuple[int, int]], *, programs: int | None = None) -> int:
+def warm_load_layers(
+    dst: torch.Tensor,
+    groups: Sequence[tuple[int, int]],
+    *,
+    programs: int | None = None,
+    src: torch.Tensor | None = None,
+) -> int:
     """Compile every variant of :func:`load_layers_triton` that a layered H2D into ``dst``
     (L1's slabs, ``[S, P, E]``) by ``groups`` of layers can launch; returns the launches.
 
     Triton specializes integer arguments on divisibility by 16 (and on equality to 1), so
     the first launch with a new row count (``2 * pages * layers``) may compile afresh, on
-    the host, between the copy's timing events: a transfer's cost sample then holds a
-    compile (the likely reason why, with the layered restore on, an H200 soak's cost policy
-    restored 1 of 6,101 requests: a 1 s sample rules restores out). Each group is
-    launched with 1 page and with 8 (row counts ``2 * count`` and ``16 * count``: both
-    residues) from a packed workspace into a scratch pool of ``dst``'s layout whose page
-    count specializes as ``P`` does. ``dst`` is never written."""
+    the host, between the copy's timing events, and a transfer's cost sample then holds a
+    compile. Each group is launched from a compact workspace with 1 page and with 8 (row
+    counts ``2 * count`` and ``16 * count``: both residues), and, given ``src`` (the L2
+    pool's slabs, read in place for fragmented pages), from it as well, into a scratch pool
+    of ``dst``'s layout whose page count specializes as ``P`` does. ``dst`` and ``src``
+    are never written."""
     s, p, e = dst.shape
     pages = p if p <= 17 else (16 if p % 16 == 0 else 17)
     scratch = torch.empty((s, pages, e), dtype=dst.dtype, device=dst.device)
     sizes = sorted({1, min(8, pages)})
-    src = torch.zeros((sizes[-1], s, e), dtype=dst.dtype, device=dst.device)
+    if src is not None:
+        sizes = sorted({min(n, src.shape[0]) for n in sizes})
+    work = torch.zeros((sizes[-1], s, e), dtype=dst.dtype, device=dst.device)
     launches = 0
-    for layers in groups:
+    for lo, hi in groups:
         for n in sizes:
             ids = torch.arange(n, device=dst.device)
-            load_layers_triton(src[:n], ids, scratch, ids, layers, programs=programs)
+            compact = work.view(-1)[: n * 2 * (hi - lo) * e].view(n, 2 * (hi - lo), e)
+            load_layers_triton(compact, ids, scratch, ids, (lo, hi), programs=programs, compact=True)
             launches += 1
+            if src is not None:
+                load_layers_triton(src, ids, scratch, ids, (lo, hi), programs=programs)
+                launches += 1
     return launches

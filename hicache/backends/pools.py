@@ -10,12 +10,19 @@ Both are also seen as ``[pages, 2*layers, page_elements]`` (L2, page-major) and
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from hicache.backends.ticket import Ticket
 from hicache.core.geometry import KVGeometry
-from hicache.errors import ConfigError, PageOwnershipError
+from hicache.errors import ConfigError, MisuseError, PageOwnershipError
+
+
+class PagesInFlightError(MisuseError):
+    """A transfer names pages that another transfer still writes (or reads, for a write)."""
 
 
 def check_pages(name: str, pages: Sequence[int], limit: int) -> None:
@@ -49,6 +56,108 @@ def coalesce(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
     return extents
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _Fence:
+    ticket: Ticket
+    pages: frozenset[int]
+    write: bool
+    owner: object | None
+
+
+class PageFences:
+    """Which pages of a pool a transfer in flight writes or reads, and which ticket.
+
+    Backends register each transfer's pages (:meth:`fence`) and, before issuing one, ask
+    which earlier tickets it must be ordered after (:meth:`pending`): a read conflicts with
+    writes in flight, a write with writes and reads. A fence ends when its ticket finishes
+    (whoever polls it). An ``owner`` that orders its own transfers (one stream) leaves its
+    own fences out of its queries. Call from the scheduler thread: :meth:`pending` polls.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._live: list[_Fence] = []
+        self._lock = threading.Lock()
+
+    def fence(self, pages: Sequence[int], ticket: Ticket, *, write: bool = True, owner: object | None = None) -> None:
+        """``ticket`` writes (``write``) or reads ``pages`` until it finishes. Register
+        after the ticket's completion check is bound (:meth:`Ticket.bind`)."""
+        if ticket.ok is not None or not pages:
+            return
+        entry = _Fence(ticket, frozenset(pages), write, owner)
+        with self._lock:
+            self._live.append(entry)
+        ticket.add_done_callback(lambda _t: self._drop(entry))
+
+    def _drop(self, entry: _Fence) -> None:
+        with self._lock:
+            if entry in self._live:
+                self._live.remove(entry)
+
+    def pending(self, pages: Sequence[int], *, write: bool = False, exclude: object | None = None) -> list[Ticket]:
+        """Unfinished tickets that write ``pages`` (or, with ``write``, also read them), in
+        the order they were fenced, less those fenced by ``exclude``. The conflicting ones
+        are polled first (a finished one drops out)."""
+        return [t for t in self._conflicts(pages, write, exclude) if not t.poll()]
+
+    def _conflicts(self, pages: Sequence[int], write: bool, exclude: object | None) -> list[Ticket]:
+        if not self._live or not pages:
+            return []
+        want = set(pages)
+        with self._lock:
+            live = list(self._live)
+        found: list[Ticket] = []
+        for entry in live:
+            if exclude is not None and entry.owner is exclude:
+                continue
+            if (entry.write or write) and entry.ticket not in found and not want.isdisjoint(entry.pages):
+                found.append(entry.ticket)
+        return found
+
+    def pages_of(self, ticket: Ticket, pages: Sequence[int]) -> list[int]:
+        """Which of ``pages`` ``ticket`` holds fenced (sorted)."""
+        with self._lock:
+            held = set().union(*[e.pages for e in self._live if e.ticket is ticket])
+        return sorted(held.intersection(pages))
+
+    def await_pages(self, pages: Sequence[int], *, write: bool = False) -> bool:
+        """Block until no transfer in flight writes ``pages`` (with ``write``: nor reads
+        them); True if every one waited for succeeded."""
+        return all([t.wait() for t in self._conflicts(pages, write, None)])
+
+    def refuse(self, pages: Sequence[int], *, write: bool = False, exclude: object | None = None) -> None:
+        """Raise :class:`PagesInFlightError` naming the pages if a transfer in flight
+        conflicts with a read (or, with ``write``, a write) of ``pages``."""
+        for ticket in self.pending(pages, write=write, exclude=exclude):
+            raise PagesInFlightError(
+                f"{self.name}: pages {self.pages_of(ticket, pages)} are still "
+                f"{'in use' if write else 'being written'} by a {ticket.direction.name} in flight; "
+                "wait for its ticket first"
+            )
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+class _Fenced:
+    """The fence API of a pool (see :class:`PageFences`); storage backends call it on L2."""
+
+    fences: PageFences
+
+    def fence(self, pages: Sequence[int], ticket: Ticket, *, write: bool = True) -> None:
+        """Record that ``ticket`` writes (``write``) or reads these pages until it finishes."""
+        self.fences.fence(pages, ticket, write=write)
+
+    def pending(self, pages: Sequence[int], *, write: bool = False) -> list[Ticket]:
+        """Tickets in flight that a read (or, with ``write``, a write) of ``pages`` must follow."""
+        return self.fences.pending(pages, write=write)
+
+    def await_pages(self, pages: Sequence[int], *, write: bool = False) -> bool:
+        """Block until a read (``write``: a write) of ``pages`` may start; True if every
+        transfer waited for succeeded."""
+        return self.fences.await_pages(pages, write=write)
+
+
 def l1_shape(geometry: KVGeometry, pages: int) -> tuple[int, ...]:
     g = geometry
     return (2, g.num_layers, pages, g.page_size, g.num_kv_heads, g.head_dim)
@@ -59,7 +168,7 @@ def l2_shape(geometry: KVGeometry, pages: int) -> tuple[int, ...]:
     return (pages, 2, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim)
 
 
-class DevicePool:
+class DevicePool(_Fenced):
     """L1: the engine's paged KV pool. We read and write pages; we never change its layout."""
 
     def __init__(self, geometry: KVGeometry, buffer: torch.Tensor) -> None:
@@ -69,6 +178,7 @@ class DevicePool:
         self.num_pages = buffer.shape[2]
         g = geometry
         self.slabs = buffer.view(2 * g.num_layers, self.num_pages, g.page_elements)
+        self.fences = PageFences("L1")
 
     @classmethod
     def allocate(cls, geometry: KVGeometry, pages: int, device: torch.device | str) -> DevicePool:
@@ -109,7 +219,7 @@ def validate_l1(geometry: KVGeometry, buffer: object) -> None:
         raise ConfigError("L1 pool must be contiguous")
 
 
-class HostPool:
+class HostPool(_Fenced):
     """L2: page-major host memory, pinned when CUDA is available.
 
     ``page_buffer`` is ``[page, 2, layer, token, kv_head, head_dim]``; ``buffer`` is the
@@ -133,6 +243,7 @@ class HostPool:
         self.page_buffer = self.bytes.view(geometry.dtype).view(l2_shape(geometry, pages))
         g = geometry
         self.slabs = self.page_buffer.view(pages, 2 * g.num_layers, g.page_elements)
+        self.fences = PageFences("L2")
 
     @property
     def buffer(self) -> torch.Tensor:

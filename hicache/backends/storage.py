@@ -244,7 +244,7 @@ class StorageBackend:
         check_pages("L3", slots, self.file.slots)
         ticket = Ticket(direction, len(slots), len(slots) * self.file.bytes_per_page, started=t0)
         if not slots:
-            ticket._finish(True)
+            ticket.finish_now(True)
             return ticket
         extents = coalesce(list(host_pages), list(slots))
         ticket.extents = len(extents)
@@ -281,7 +281,7 @@ class StorageBackend:
                     self.extents += len(extents)
             return ok
 
-        ticket._check = check
+        ticket.bind(check)
         return ticket
 
     def _work(

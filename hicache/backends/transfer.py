@@ -1,44 +1,53 @@
-"""L1 <-> L2 transfers: one gather kernel plus one DMA per direction (DESIGN.md §6).
+"""L1 <-> L2 transfers (DESIGN.md §6): three paths, chosen per transfer.
 
-D2H::
+``direct`` (Triton; transfers up to ``direct_max_bytes``, or fragmented L2 pages whose runs
+are too short for a DMA each): one kernel moves the pages between L1 and the pinned L2 pool
+in place, reading or writing host memory over PCIe through unified addressing. No
+workspace, no DMA, one launch.
 
-    L1 pages --gather (1 launch)--> packed device buffer --1 DMA--> L2 pages (consecutive)
-                                                         \\-1 DMA--> pinned workspace
-                                                                   --index_copy_--> L2 pages
+``ring`` (everything else), through a fixed ring of ``chunks`` device buffers of
+``chunk_pages`` pages each, allocated once::
 
-H2D is symmetric: host gather only when the L2 pages are fragmented, one DMA, one scatter
-launch into arbitrary L1 pages.
+    D2H, per chunk of pages:  L1 --gather--> ring slot --1 DMA per run of L2 pages--> L2
+    H2D, per chunk of pages:  L2 --1 DMA per run--> ring slot --scatter--> L1
 
-Layered H2D (``h2d(..., layer_events=...)``, CUDA with cuda-python): the same source, moved
-in groups of layers (:meth:`TransferEngine.layer_groups`: small at both ends, up to
-``max_layer_group`` in the middle; few groups keep the host's enqueue short, and the forward
-launches only after it): per group
-two strided DMAs per run (its K and V slabs of every page,
-:func:`hicache.backends.dma.copy_rows`), one scatter of those layers into L1 with at most
-``scatter_programs`` programs (the forward that overlaps it keeps the other SMs), then each
-distinct event among ``layer_events[lo:hi]`` is recorded once (a caller that shares one
-event across a group's layers saves the records). A forward that waits on
-``layer_events[l]`` before its layer ``l`` reads the restored pages while later layers are
-still on the wire (``hicache.engine`` does). The ticket still completes only after the last
-layer: publication and the state machine are unchanged.
+A transfer larger than one chunk alternates two streams: gathers (scatters) on
+``kernel_stream``, DMAs on ``stream``, so chunk i+1's gather overlaps chunk i's DMA::
 
-Streams: the private transfer stream first waits on the caller's current stream (page ids
-and pages it produced are ready), and the caller makes its stream wait on the ticket's
-event (:meth:`DeviceTicket.wait_on_current_stream`) before reading restored pages. Tensors
-used on the transfer stream are kept alive by the ticket until its event completes.
+    kernel_stream:  gather 0 | gather 1 | gather 2 ...      (slot k reused once its DMA ended)
+    stream:                  |  DMA 0   |  DMA 1   | DMA 2 ...
+
+``layered`` (H2D with ``layer_events``, CUDA with cuda-python): per group of layers
+(:meth:`TransferEngine.layer_groups`), strided DMAs of those layers into a ring slot in a
+compact layout and one scatter with at most ``scatter_programs`` programs (fragmented L2
+pages: one zero-copy load from L2 instead); then the distinct events among
+``layer_events[lo:hi]`` are recorded, each only after those layers of every page landed.
+
+Streams: a transfer starts on ``stream`` behind the caller's current stream (pages and
+page ids it produced are ready; pages it still reads are not overwritten) and ends there
+(after its kernel-stream work), so transfers of one engine run in the order issued. The
+caller makes its stream wait on the ticket's event (:meth:`DeviceTicket.wait_on_current_stream`)
+before reading restored pages. Page ids go through persistent pinned and device buffers.
+
+Fences: each transfer registers its pages with the pools (:class:`~hicache.backends.pools.PageFences`);
+a transfer whose sources another backend still writes (or whose destinations it still
+reads or writes) waits for it, or raises :class:`~hicache.backends.pools.PagesInFlightError`
+with ``fences="raise"``. An allocation failure fails the ticket; it never raises.
 
 On a CPU-only machine the same API runs synchronously (no streams; tickets finish at once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,7 +55,7 @@ import torch
 
 from hicache.backends import dma, kernels
 from hicache.backends.faults import FaultInjector
-from hicache.backends.pools import DevicePool, HostPool, check_pages, coalesce
+from hicache.backends.pools import DevicePool, HostPool, PageFences, PagesInFlightError, check_pages, coalesce
 from hicache.backends.ticket import Ticket
 from hicache.errors import ConfigError, PageOwnershipError
 from hicache.spec.model import Direction
@@ -54,10 +63,21 @@ from hicache.spec.model import Direction
 log = logging.getLogger(__name__)
 
 TransferBackend = Literal["auto", "triton", "torch"]
+FencePolicy = Literal["wait", "raise"]
+Path = Literal["direct", "ring", "layered"]
 Copy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 GATHER: dict[str, Copy] = {"torch": kernels.gather_torch, "triton": kernels.gather_triton}
 SCATTER: dict[str, Copy] = {"torch": kernels.scatter_torch, "triton": kernels.scatter_triton}
+# Defaults: a ring of 4 x 64 MiB (256 MiB of device memory). A DMA of >= 16 pages of a
+# Qwen3-8B-shaped model (36 MiB) runs within a few percent of the copy engine's peak, so
+# 64 MiB chunks cost little per chunk, and 4 let gathers run ahead of the DMAs.
+CHUNK_BYTES = 64 << 20
+CHUNKS = 4
+# Up to this many bytes a transfer goes direct (one kernel over PCIe): below it the fixed
+# cost of the gather + DMA + events dominates. bench/transfer.py measures both paths per
+# size on the GPU ("direct" and "ring" columns); set from there.
+DIRECT_MAX_BYTES = 16 << 20
 # torch.cuda's Stream and Event constructors are unannotated; use them through Any.
 _Stream: Any = torch.cuda.Stream
 _Event: Any = torch.cuda.Event
@@ -65,33 +85,138 @@ _Event: Any = torch.cuda.Event
 
 def page_runs(pages: Sequence[int]) -> list[tuple[int, int]]:
     """``(first, end)`` index ranges over which ``pages`` step by one."""
+    n = len(pages)
+    if n and pages[n - 1] - pages[0] == n - 1 and list(pages) == list(range(pages[0], pages[0] + n)):
+        return [(0, n)]
     return coalesce(pages, pages)
 
 
-@dataclass(eq=False)
-class Workspace:
-    """A packed device buffer of ``pages`` pages, and (only once the fragmented path needs
-    it) a pinned host buffer of the same size."""
+def _clip(runs: Sequence[tuple[int, int]], a: int, b: int) -> Iterator[tuple[int, int]]:
+    """The parts of ``runs`` inside ``[a, b)``."""
+    for first, end in runs:
+        if end > a and first < b:
+            yield max(first, a), min(end, b)
 
-    pages: int
-    device: torch.Tensor
-    host: torch.Tensor | None = None
-    busy: bool = False
+
+class _AllocationFailed(Exception):
+    """Workspace or index memory could not be allocated (the ticket fails)."""
 
 
 @dataclass(eq=False)
 class DeviceTicket(Ticket):
-    event: Any = None  # torch.cuda.Event recorded after the last copy
+    event: Any = None  # torch.cuda.Event recorded after the last copy (None once finished)
     keep: list[Any] = field(default_factory=list)
+    stream: Any = None  # the stream ``event`` is recorded on
 
     def wait_on_current_stream(self) -> None:
         """Make the caller's current CUDA stream wait for this transfer (no CPU block)."""
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+        event = self.event
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def settle(self) -> None:
+        """Block until the copy itself has ended, without running completion work (safe
+        from any thread: an I/O worker may call it before reading pages this wrote)."""
+        event = self.event
+        if event is not None:
+            event.synchronize()
+
+
+class _Ring:
+    """``count`` device workspace slots of ``pages`` pages, allocated once, with one
+    "ready" and one "free" event per slot for the two-stream pipeline."""
+
+    def __init__(self, geometry: Any, pages: int, count: int, device: torch.device, cuda: bool) -> None:
+        g = geometry
+        self.pages, self.count = pages, count
+        self.memory = torch.empty((count * pages, 2 * g.num_layers, g.page_elements), dtype=g.dtype, device=device)
+        self.nbytes = self.memory.numel() * self.memory.element_size()
+        self.ready: list[Any] = [_Event() for _ in range(count)] if cuda else []
+        self.free: list[Any] = [_Event() for _ in range(count)] if cuda else []
+
+    def slot(self, k: int) -> torch.Tensor:
+        return self.memory[k * self.pages : (k + 1) * self.pages]
+
+    def flat(self, k: int, shape: tuple[int, int, int]) -> torch.Tensor:
+        """Slot ``k`` seen as a contiguous ``shape`` (at most the slot's elements)."""
+        size = self.memory[0].numel() * self.pages
+        return self.memory.view(-1)[k * size : k * size + shape[0] * shape[1] * shape[2]].view(shape)
+
+
+class _Ids:
+    """Persistent page-id buffers: a pinned host ring the ids are written into and its
+    device mirror they are uploaded to, on the transfer stream. A region is reused only
+    once the transfer that uploaded it has ended (its event), so nothing is allocated per
+    transfer and no upload reads ids a later transfer overwrote."""
+
+    def __init__(self, capacity: int, device: torch.device, cuda: bool) -> None:
+        self.capacity = capacity
+        self.cuda = cuda
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=cuda)
+        self.np = self.host.numpy()
+        # NOTE: zeroed: a kernel that ever read a region before its upload landed would
+        # read page 0, never an address outside the pools.
+        self.device = torch.zeros(capacity, dtype=torch.int64, device=device) if cuda else self.host
+        self.arange = torch.arange(capacity, dtype=torch.int64, device=device)
+        self.head = 0
+        self.live: deque[tuple[int, int, Any]] = deque()  # (start, end, event), oldest first
+        self.nbytes = capacity * 8 * (2 if cuda else 1) + capacity * 8
+
+    def put(self, *lists: Sequence[int]) -> tuple[int, int]:
+        """Write ``lists`` one after another into a free region; returns its start and
+        length. Each list starts at an even index (16 bytes: Triton specializes pointers
+        on that alignment, so an odd start would compile another kernel variant)."""
+        n = sum(len(x) + (len(x) & 1) for x in lists)
+        if n > self.capacity:
+            raise PageOwnershipError(f"{n} page ids do not fit the index buffer of {self.capacity}")
+        start = self.head
+        if start + n > self.capacity:
+            start = 0
+        if self.cuda:
+            self._reclaim(start, start + n)
+        at = start
+        for x in lists:
+            self.np[at : at + len(x)] = x
+            at += len(x) + (len(x) & 1)
+        self.head = at
+        return start, n
+
+    def _reclaim(self, a: int, b: int) -> None:
+        """Forget the regions in flight that have finished, oldest first, waiting for those
+        that overlap ``[a, b)`` (rarely: only when uploads pile up past the capacity).
+
+        NOTE: regions are taken in ring order and their transfers end in that order (one
+        stream), so the ones ``[a, b)`` overlaps are the oldest: a prefix of ``live``."""
+        while self.live:
+            start, end, event = self.live[0]
+            if start < b and a < end:
+                event.synchronize()
+            elif not event.query():
+                break
+            self.live.popleft()
+
+    def upload(self, start: int, n: int, event: Any) -> torch.Tensor:
+        """The device copy of ``[start, start + n)`` (queued on the current stream);
+        ``event`` is recorded after its last use."""
+        if not self.cuda:
+            return self.host[start : start + n]
+        dev = self.device[start : start + n]
+        if dma.AVAILABLE:
+            dma.copy_raw(dev.data_ptr(), self.host.data_ptr() + 8 * start, 8 * n, torch.cuda.current_stream())
+        else:
+            dev.copy_(self.host[start : start + n], non_blocking=True)
+        self.live.append((start, start + n, event))
+        return dev
 
 
 class TransferEngine:
-    """Moves pages between a :class:`DevicePool` (L1) and a :class:`HostPool` (L2)."""
+    """Moves pages between a :class:`DevicePool` (L1) and a :class:`HostPool` (L2).
+
+    ``chunk_bytes`` and ``chunks`` size the ring (device memory ``chunks`` x whole pages of
+    ``chunk_bytes``, at least one page each); ``direct_max_bytes`` is the size up to which a
+    transfer goes direct (0: never); ``fences`` says what a transfer does about pages another
+    backend still moves: ``wait`` for it, or ``raise`` :class:`PagesInFlightError`.
+    """
 
     def __init__(
         self,
@@ -104,6 +229,10 @@ class TransferEngine:
         layer_group: int = 1,
         max_layer_group: int = 8,
         scatter_programs: int = 32,
+        chunk_bytes: int = CHUNK_BYTES,
+        chunks: int = CHUNKS,
+        direct_max_bytes: int = DIRECT_MAX_BYTES,
+        fences: FencePolicy = "wait",
     ) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ConfigError(f"transfer backend must be auto, triton or torch; got {backend!r}")
@@ -114,30 +243,51 @@ class TransferEngine:
                 "need 1 <= layer_group <= max_layer_group and scatter_programs >= 1, got "
                 f"{layer_group}, {max_layer_group}, {scatter_programs}"
             )
+        if chunk_bytes < 1 or chunks < 2 or direct_max_bytes < 0:
+            raise ConfigError(
+                f"need chunk_bytes >= 1, chunks >= 2, direct_max_bytes >= 0; got {chunk_bytes}, {chunks}, "
+                f"{direct_max_bytes}"
+            )
+        if fences not in ("wait", "raise"):
+            raise ConfigError(f"fences must be 'wait' or 'raise', got {fences!r}")
         self.l1 = l1
         self.l2 = l2
-        self.geometry = l1.geometry
+        self.geometry = g = l1.geometry
+        self.bytes_per_page = g.bytes_per_page
         self.requested = backend
         self.cuda = l1.device.type == "cuda"
         self.triton_usable = kernels.HAVE_TRITON and (self.cuda or os.environ.get("TRITON_INTERPRET") == "1")
         if backend == "triton" and not self.triton_usable:
             raise ConfigError("transfer backend 'triton' needs triton and a CUDA device (or TRITON_INTERPRET=1)")
         self.stream: Any = _Stream(device=l1.device) if self.cuda else None
+        self._kernel_stream: Any = None
         self.faults = faults or FaultInjector()
         # Fragmented L2 pages: one DMA per run of consecutive pages when runs average at
-        # least this many bytes (each DMA is then near full speed); otherwise one DMA into
-        # a pinned workspace plus one host index_copy_.
+        # least this many bytes (each DMA is then near full speed); otherwise direct.
         self.min_run_bytes = min_run_bytes
         self.layer_group = layer_group
         self.max_layer_group = max_layer_group
         self.scatter_programs = scatter_programs
+        pages = max(1, min(chunk_bytes // g.bytes_per_page, l1.num_pages, l2.num_pages))
+        self.chunk_pages = pages - (pages & 1) if pages > 1 else 1  # even: id slices stay 16-byte aligned
+        self.chunks = chunks
+        self.direct_max_bytes = direct_max_bytes
+        # NOTE: the SMs reach L2 in place only when it is pinned (mapped into the device's
+        # address space); Triton then takes its address like a device pointer. On CPU
+        # (Triton interpreted) only an explicit "triton" goes direct: there it is a test.
+        self.direct_usable = self.triton_usable and (
+            backend != "torch" and l2.pinned if self.cuda else backend == "triton"
+        )
+        self.fence_policy: FencePolicy = fences
         self.gather_backend: str | None = None
         self.scatter_backend: str | None = None
         self.autotune_ms: dict[str, float] = {}
-        self.workspaces: list[Workspace] = []
-        self._warm: set[tuple[Direction, bool]] = set()  # (direction, layered) past their first (cold) transfer
-        self.pinned_bytes = 0
-        self.device_workspace_bytes = 0
+        self._ring: _Ring | None = None
+        self._ids: _Ids | None = None
+        self._timers: list[tuple[Any, Any]] = []  # idle (start, end) timing events
+        self._warm: set[tuple[Direction, Path]] = set()  # paths past their first (cold) transfer
+        self.paths: dict[str, int] = {"direct": 0, "ring": 0, "layered": 0}
+        self.allocation_failures = 0
 
     # -- backend choice ----------------------------------------------------------------------
 
@@ -161,26 +311,33 @@ class TransferEngine:
         not in a later restore's timed copy (:func:`kernels.warm_load_layers`). A failure is
         left to the first layered H2D (which falls back to torch under ``auto``)."""
         try:
-            kernels.warm_load_layers(self.l1.slabs, self.layer_groups(), programs=self.scatter_programs)
+            kernels.warm_load_layers(
+                self.l1.slabs,
+                self.layer_groups(),
+                programs=self.scatter_programs,
+                src=self.l2.slabs if self.direct_usable else None,
+            )
         except Exception as exc:
             if self.requested == "triton":
                 raise
             warnings.warn(f"hicache: warming the layered scatter failed ({exc!r})", RuntimeWarning, stacklevel=4)
 
     def _autotune(self) -> None:
-        """Time Triton and torch on this geometry; keep Triton for gather if <= 1.05x torch
-        and for scatter if <= 1.02x. Scatter is timed into a scratch buffer, never L1."""
+        """Time Triton and torch on this geometry, up to a chunk (64 pages) at a time in two
+        ring slots (no allocation of their own); keep Triton for gather if <= 1.05x torch and for scatter
+        if <= 1.02x. Scatter is timed into a slot seen as an L1 pool, never into L1."""
+        assert self._ring is not None
         g = self.geometry
-        n = min(64, self.l1.num_pages)
-        slabs = self.l1.slabs
-        ids = torch.randperm(self.l1.num_pages, device=slabs.device)[:n].contiguous()
-        packed = torch.empty((n, 2 * g.num_layers, g.page_elements), dtype=g.dtype, device=slabs.device)
-        scratch = torch.empty((2 * g.num_layers, n, g.page_elements), dtype=g.dtype, device=slabs.device)
-        scratch_ids = torch.randperm(n, device=slabs.device)
+        n = min(64, self._ring.pages)
+        dev = self.l1.slabs.device
+        ids = torch.randperm(self.l1.num_pages, device=dev)[:n].contiguous()
+        packed = self._ring.slot(0)[:n]
+        scratch = self._ring.flat(1, (2 * g.num_layers, n, g.page_elements))
+        scratch_ids = torch.randperm(n, device=dev)
         times: dict[str, float] = {}
         for name, fn, args in (
-            ("gather_torch", kernels.gather_torch, (slabs, ids, packed)),
-            ("gather_triton", kernels.gather_triton, (slabs, ids, packed)),
+            ("gather_torch", kernels.gather_torch, (self.l1.slabs, ids, packed)),
+            ("gather_triton", kernels.gather_triton, (self.l1.slabs, ids, packed)),
             ("scatter_torch", kernels.scatter_torch, (packed, scratch_ids, scratch)),
             ("scatter_triton", kernels.scatter_triton, (packed, scratch_ids, scratch)),
         ):
@@ -227,43 +384,50 @@ class TransferEngine:
                 self.scatter_backend = "torch"
             table["torch"](*args)
 
-    # -- workspaces --------------------------------------------------------------------------
+    # -- memory (allocated once; a failure fails the transfer) -------------------------------
 
-    def _acquire(self, pages: int, *, needs_host: bool) -> tuple[Workspace, float]:
-        """Best fit by page count; returns (workspace, one-time setup seconds)."""
-        t0 = time.perf_counter()
-        idle = [w for w in self.workspaces if not w.busy and w.pages >= pages]
-        ws = min(idle, key=lambda w: (w.pages, w.host is None and needs_host)) if idle else None
-        g = self.geometry
-        if ws is None:
-            shape = (pages, 2 * g.num_layers, g.page_elements)
-            if self.cuda:
-                with torch.cuda.stream(self.stream):
-                    dev = torch.empty(shape, dtype=g.dtype, device=self.l1.device)
-            else:
-                dev = torch.empty(shape, dtype=g.dtype)
-            ws = Workspace(pages, dev)
-            self.device_workspace_bytes += dev.numel() * dev.element_size()
-            self.workspaces.append(ws)
-        if needs_host and ws.host is None:  # NOTE: pinned memory only for the fragmented path
-            ws.host = torch.empty(ws.device.shape, dtype=g.dtype, pin_memory=self.cuda)
-            self.pinned_bytes += ws.host.numel() * ws.host.element_size()
-        ws.busy = True
-        return ws, time.perf_counter() - t0
+    def _setup(self, path: Path) -> None:
+        """Allocate the index buffers and the ring and choose the kernels, once. The direct
+        path needs only the index buffers: it goes on if the ring fails (and stops asking
+        for it after a failure; the other paths ask again)."""
+        try:
+            if self._ids is None:
+                cap = max(4096, 4 * min(self.l1.num_pages, self.l2.num_pages))
+                self._ids = _Ids(cap, self.l1.device, self.cuda)
+        except Exception as exc:
+            raise _AllocationFailed(f"transfer index buffers: allocation failed: {exc!r}") from exc
+        try:
+            if self._ring is None and not (path == "direct" and self.allocation_failures):
+                with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+                    self._ring = _Ring(self.geometry, self.chunk_pages, self.chunks, self.l1.device, self.cuda)
+            if self._ring is not None:
+                # NOTE: at the first transfer of any path: it also compiles the layered
+                # scatter, so no restore's copy holds a compile.
+                self._choose()
+        except (torch.OutOfMemoryError, MemoryError, _AllocationFailed) as exc:
+            self._fail_ring(path, exc)
+        except Exception as exc:
+            if self._ring is not None:
+                raise  # not an allocation: an explicit backend that does not work here
+            self._fail_ring(path, exc)
 
-    def _release(self, ws: Workspace) -> None:
-        """Free the workspace; of several idle ones keep only the largest (one with a pinned
-        buffer preferred at equal size)."""
-        ws.busy = False
-        idle = [w for w in self.workspaces if not w.busy]
-        if len(idle) > 1:
-            keep = max(idle, key=lambda w: (w.pages, w.host is not None))
-            for w in idle:
-                if w is not keep:
-                    self.device_workspace_bytes -= w.device.numel() * w.device.element_size()
-                    if w.host is not None:
-                        self.pinned_bytes -= w.host.numel() * w.host.element_size()
-            self.workspaces = [w for w in self.workspaces if w.busy or w is keep]
+    def _fail_ring(self, path: Path, exc: BaseException) -> None:
+        if path != "direct":
+            raise _AllocationFailed(f"transfer ring: allocation failed: {exc!r}") from exc
+        self.allocation_failures += 1
+        log.warning("hicache transfer ring: allocation failed (%r); direct transfers go on", exc)
+
+    def _timer(self) -> tuple[Any, Any]:
+        if self._timers:
+            return self._timers.pop()
+        return _Event(enable_timing=True), _Event(enable_timing=True)
+
+    @property
+    def kernel_stream(self) -> Any:
+        """The second stream of the ring pipeline (gathers and scatters of multi-chunk transfers)."""
+        if self._kernel_stream is None and self.cuda:
+            self._kernel_stream = _Stream(device=self.l1.device)
+        return self._kernel_stream
 
     # -- transfers ---------------------------------------------------------------------------
 
@@ -311,67 +475,132 @@ class TransferEngine:
         t0 = time.perf_counter()
         if len(src) != len(dst):
             raise PageOwnershipError(f"{direction.name}: {len(src)} source pages for {len(dst)} destinations")
-        l1_pages, l2_pages = (src, dst) if direction is Direction.D2H else (dst, src)
+        d2h = direction is Direction.D2H
+        l1_pages, l2_pages = (src, dst) if d2h else (dst, src)
         check_pages("L1", l1_pages, self.l1.num_pages)
         check_pages("L2", l2_pages, self.l2.num_pages)
         n = len(src)
-        ticket = DeviceTicket(direction, n, n * self.geometry.bytes_per_page, started=t0)
+        ticket = DeviceTicket(direction, n, n * self.bytes_per_page, started=t0)
         if n == 0:
-            ticket._finish(True)
+            ticket.finish_now(True)
             return ticket
-        t_choose = time.perf_counter()
-        self._choose()  # the first call autotunes (compiling the Triton kernels)
-        chose = time.perf_counter() - t_choose
-        runs = page_runs(l2_pages)
-        consecutive = len(runs) == 1
-        per_run = not consecutive and n * self.geometry.bytes_per_page >= self.min_run_bytes * len(runs)
-        ws, setup = self._acquire(n, needs_host=not (consecutive or per_run))
-        ticket.timings.setup_s = setup + chose
+        src_fences, dst_fences = (self.l1.fences, self.l2.fences) if d2h else (self.l2.fences, self.l1.fences)
+        self._order(src_fences, src, write=False)  # NOTE: may raise; nothing has changed yet
+        self._order(dst_fences, dst, write=True)
+        path, runs = self._plan(n, l2_pages, events is not None and self.layered)
         try:
-            if direction is Direction.D2H:
-                complete = self._issue_d2h(ticket, ws, l1_pages, l2_pages, runs, per_run)
-            else:
-                complete = self._issue_h2d(ticket, ws, l2_pages, l1_pages, runs, per_run, events)
-        except BaseException:
-            if self.cuda:  # NOTE: work may already be queued on the stream using ws
-                self.stream.synchronize()
-            self._release(ws)
-            raise
-        fault = self.faults.take("write" if direction is Direction.D2H else "read", ("fail", "slow"))
+            self._setup(path)
+            path = self._issue(ticket, path, d2h, l1_pages, l2_pages, runs, events)
+        except _AllocationFailed as exc:
+            self.allocation_failures += 1
+            log.warning("hicache %s of %d pages failed: %s", direction.name, n, exc)
+            ticket.fail_now(str(exc))
+            return ticket
+        self.paths[path] += 1
         ticket.timings.enqueue_s = time.perf_counter() - t0
-        path = (direction, events is not None and self.layered)
-        if path not in self._warm:
-            # NOTE: a path's first enqueue is one-time setup (autotune, kernel compile and
-            # module load on first launch): counted as recurring, a ~1 s first H2D made the
-            # cost model rule out restores from L2 for dozens of requests on the H200. The
-            # layered H2D is a path of its own (other kernels, cuda-python's first calls).
+        if (direction, path) not in self._warm:
+            # NOTE: a path's first enqueue is one-time setup (memory, autotune, kernel
+            # compile and module load on first launch): counted as recurring, a ~1 s first
+            # H2D made the cost model rule out restores from L2 for dozens of requests.
             ticket.timings.setup_s = ticket.timings.enqueue_s
-            self._warm.add(path)
-        ticket._check = self._checker(
-            ticket, ws, complete, fault.kind if fault else None, fault.delay_s if fault else 0.0
-        )
+            self._warm.add((direction, path))
         if not self.cuda:
             ticket.poll()
+            return ticket
+        src_fences.fence(src, ticket, write=False, owner=self)
+        dst_fences.fence(dst, ticket, write=True, owner=self)
         return ticket
 
+    def _plan(self, n: int, l2_pages: Sequence[int], layered: bool) -> tuple[Path, list[tuple[int, int]]]:
+        nbytes = n * self.bytes_per_page
+        if not layered and self.direct_usable and nbytes <= self.direct_max_bytes:
+            return "direct", []
+        runs = page_runs(l2_pages)
+        if layered and (self.l2.pinned or not self.cuda):
+            return "layered", runs
+        if self.direct_usable and len(runs) > 1 and nbytes < self.min_run_bytes * len(runs):
+            return "direct", runs
+        return "ring", runs
+
+    def _order(self, fences: PageFences, pages: Sequence[int], *, write: bool) -> None:
+        """Order this transfer after every transfer in flight that conflicts on ``pages``
+        (module docstring): this engine's own are ordered by its stream already."""
+        for other in fences.pending(pages, write=write, exclude=self):
+            if self.fence_policy == "raise":
+                named = fences.pages_of(other, pages)
+                raise PagesInFlightError(
+                    f"{fences.name}: pages {named} are still {'moved' if write else 'written'} by a "
+                    f"{other.direction.name} in flight; wait for its ticket first"
+                )
+            if isinstance(other, DeviceTicket) and other.event is not None and self.cuda:
+                self.stream.wait_event(other.event)
+            else:
+                other.wait()
+
+    def _issue(
+        self,
+        ticket: DeviceTicket,
+        path: Path,
+        d2h: bool,
+        l1_pages: Sequence[int],
+        l2_pages: Sequence[int],
+        runs: list[tuple[int, int]],
+        events: Sequence[Any] | None,
+    ) -> Path:
+        """Queue the copies (CPU: run them); returns the path taken, attaches the check."""
+        assert self._ids is not None
+        n = len(l1_pages)
+        zero_copy = path == "direct" or (path == "layered" and len(runs) > 1 and self.direct_usable)
+        at, count = self._ids.put(l1_pages, l2_pages) if zero_copy else self._ids.put(l1_pages)
+        timer = self._timer() if self.cuda else None
+        t = time.perf_counter()
+        if timer is not None:
+            self._wait_caller()
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            try:
+                if timer is not None:
+                    timer[0].record(self.stream)
+                ids = self._ids.upload(at, count, timer[1] if timer else None)
+                l1_ids, l2_ids = ids[:n], ids[n + (n & 1) : 2 * n + (n & 1)] if zero_copy else None
+                if path == "direct":
+                    assert l2_ids is not None
+                    path = self._direct(d2h, l1_ids, l2_ids, l2_pages, runs)
+                if path == "layered":
+                    assert events is not None
+                    self._layered_copies(l1_ids, l2_ids, l2_pages, runs, events)
+                elif path == "ring":
+                    self._ring_copies(d2h, l1_ids, l2_pages, runs)
+                if events is not None and path != "layered":
+                    for event in {id(e): e for e in events}.values():  # every layer lands with the last page
+                        event.record(self.stream)
+            finally:
+                if timer is not None:  # NOTE: always: the id region waits on it before reuse
+                    timer[1].record(self.stream)
+        if timer is None:
+            ticket.timings.service_s = time.perf_counter() - t
+        else:
+            ticket.event, ticket.stream = timer[1], self.stream
+        fault = self.faults.take("write" if d2h else "read", ("fail", "slow"))
+        ticket.bind(self._checker(ticket, timer, fault.kind if fault else None, fault.delay_s if fault else 0.0))
+        return path
+
     def _checker(
-        self, ticket: DeviceTicket, ws: Workspace, complete: Callable[[], None], fault: str | None, delay: float
+        self, ticket: DeviceTicket, timer: tuple[Any, Any] | None, fault: str | None, delay: float
     ) -> Callable[[bool], bool | None]:
         def check(block: bool) -> bool | None:
-            event = ticket.event
-            if event is not None:
+            if timer is not None:
+                start, end = timer
                 if block:
-                    event.synchronize()
-                elif not event.query():
+                    end.synchronize()
+                elif not end.query():
                     return None
-                ticket.timings.service_s = ticket.keep[0].elapsed_time(event) / 1e3
+                ticket.timings.service_s = start.elapsed_time(end) / 1e3
+                ticket.event = None
+                self._timers.append(timer)
             t1 = time.perf_counter()
             if delay:
                 time.sleep(delay)
-            complete()
             ticket.timings.complete_s = time.perf_counter() - t1
-            ticket.keep.clear()
-            self._release(ws)
             if fault == "fail":
                 ticket.error = "injected transfer failure"
                 return False
@@ -379,132 +608,183 @@ class TransferEngine:
 
         return check
 
-    def _ids(self, pages: Sequence[int]) -> torch.Tensor:
-        """Page ids on the device, uploaded asynchronously on the caller's current stream.
+    # -- stream order: each wait has a GPU test that fails without it ------------------------
 
-        NOTE: from pinned memory, so the upload never blocks the scheduler thread behind the
-        caller's queued work (a pageable upload would); the transfer stream's wait on the
-        caller's stream is then what orders the kernels after it."""
-        if not self.cuda:
-            return torch.tensor(pages, dtype=torch.int64)
-        staged = torch.tensor(pages, dtype=torch.int64).pin_memory()
-        return staged.to(self.l1.device, non_blocking=True)
+    def _wait_caller(self) -> None:
+        """The transfer stream waits for the caller's current stream (module docstring)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.l1.device))
 
-    def _issue_d2h(
+    def _wait_join(self, waiter: Any, other: Any) -> None:
+        """``waiter`` (the kernel stream) starts behind everything queued on ``other``."""
+        waiter.wait_stream(other)
+
+    def _wait_ready(self, consumer: Any, event: Any) -> None:
+        """A chunk's consumer (DMA after gather, scatter after DMA) waits for its producer."""
+        consumer.wait_event(event)
+
+    def _wait_free(self, producer: Any, event: Any) -> None:
+        """Reusing a ring slot waits until the slot's previous consumer has finished."""
+        producer.wait_event(event)
+
+    # -- the three paths ---------------------------------------------------------------------
+
+    def _direct(
         self,
-        ticket: DeviceTicket,
-        ws: Workspace,
-        src: Sequence[int],
-        dst: Sequence[int],
+        d2h: bool,
+        l1_ids: torch.Tensor,
+        l2_ids: torch.Tensor,
+        l2_pages: Sequence[int],
         runs: list[tuple[int, int]],
-        per_run: bool,
-    ) -> Callable[[], None]:
-        n = len(src)
-        ids = self._ids(src)  # produced on the caller's current stream
-        packed = ws.device[:n]
-        staged = ws.host[:n] if ws.host is not None and not (len(runs) == 1 or per_run) else None
-
-        def copies() -> None:
-            self._run(GATHER, "gather", (self.l1.slabs, ids, packed))
-            if staged is not None:
-                staged.copy_(packed, non_blocking=self.cuda)
-                return
-            for first, end in runs:  # one DMA per run of consecutive L2 pages (usually one)
-                h = dst[first]
-                self.l2.slabs[h : h + end - first].copy_(packed[first:end], non_blocking=self.cuda)
-
-        self._issue(ticket, copies, [ids, ws])
-        if staged is None:
-            return lambda: None
-        host_idx = torch.tensor(dst, dtype=torch.int64)
-
-        def land() -> None:  # after the DMA: one host-side index_copy_ into the L2 pages
-            self.l2.slabs.index_copy_(0, host_idx, staged)
-
-        return land
-
-    def _issue_h2d(
-        self,
-        ticket: DeviceTicket,
-        ws: Workspace,
-        src: Sequence[int],
-        dst: Sequence[int],
-        runs: list[tuple[int, int]],
-        per_run: bool,
-        events: Sequence[Any] | None = None,
-    ) -> Callable[[], None]:
-        n = len(src)
-        packed = ws.device[:n]
-        staged = None
-        if len(runs) > 1 and not per_run:
-            assert ws.host is not None
-            staged = ws.host[:n]
-            torch.index_select(self.l2.slabs, 0, torch.tensor(src, dtype=torch.int64), out=staged)
-        ids = self._ids(dst)
-        if events is not None and self.layered:
-            self._issue(ticket, lambda: self._layered_copies(packed, staged, src, runs, ids, events), [ids, ws, staged])
-            return lambda: None
-
-        def copies() -> None:
-            if staged is not None:
-                packed.copy_(staged, non_blocking=self.cuda)
+    ) -> Path:
+        """One kernel between L1 and the L2 pages in place; on a Triton failure under
+        ``auto``, returns "ring" (the caller then goes through it, as later transfers do)."""
+        try:
+            if d2h:
+                kernels.gather_triton(self.l1.slabs, l1_ids, self.l2.slabs, l2_ids)
             else:
-                for first, end in runs:
-                    h = src[first]
-                    packed[first:end].copy_(self.l2.slabs[h : h + end - first], non_blocking=self.cuda)
-            self._run(SCATTER, "scatter", (packed, ids, self.l1.slabs))
-            for event in {id(e): e for e in events or ()}.values():  # every layer lands with the last page
-                event.record(self.stream)
+                kernels.scatter_triton(self.l2.slabs, l1_ids, self.l1.slabs, l2_ids)
+            return "direct"
+        except Exception as exc:
+            if self.requested == "triton":
+                raise
+            warnings.warn(
+                f"hicache: direct transfer failed ({exc!r}); using the ring from now on", RuntimeWarning, stacklevel=5
+            )
+            self.direct_usable = False
+        self._setup("ring")
+        if not runs:
+            runs[:] = page_runs(l2_pages)
+        return "ring"
 
-        self._issue(ticket, copies, [ids, ws, staged])
-        return lambda: None
+    def _dma(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One copy of whole pages between a ring slot and L2 pages, on the current stream."""
+        if self.cuda and dma.AVAILABLE:
+            nbytes = src.numel() * src.element_size()
+            dma.copy_raw(dst.data_ptr(), src.data_ptr(), nbytes, torch.cuda.current_stream())
+        else:
+            dst.copy_(src, non_blocking=self.cuda)
+
+    def _ring_copies(self, d2h: bool, ids: torch.Tensor, l2_pages: Sequence[int], runs: list[tuple[int, int]]) -> None:
+        """Chunk by chunk through the ring (module docstring). One chunk runs on the
+        transfer stream alone; more alternate with the kernel stream."""
+        ring = self._ring
+        assert ring is not None
+        n = ids.numel()
+        spans = [(a, min(n, a + ring.pages)) for a in range(0, n, ring.pages)]
+        two = self.cuda and len(spans) > 1
+        copy, kern = self.stream, self.kernel_stream if two else self.stream
+        if two:
+            self._wait_join(kern, copy)
+        l2 = self.l2.slabs
+        k = 0
+        for j, (a, b) in enumerate(spans):
+            k = j % ring.count
+            slot = ring.slot(k)[: b - a]
+            if d2h:
+                if two and j >= ring.count:
+                    self._wait_free(kern, ring.free[k])
+                with self._on(kern):
+                    self._run(GATHER, "gather", (self.l1.slabs, ids[a:b], slot))
+                if two:
+                    ring.ready[k].record(kern)
+                    self._wait_ready(copy, ring.ready[k])
+                for first, end in _clip(runs, a, b):
+                    h = l2_pages[first]
+                    self._dma(l2[h : h + end - first], slot[first - a : end - a])
+                if two:
+                    ring.free[k].record(copy)
+            else:
+                if two and j >= ring.count:
+                    self._wait_free(copy, ring.free[k])
+                for first, end in _clip(runs, a, b):
+                    h = l2_pages[first]
+                    self._dma(slot[first - a : end - a], l2[h : h + end - first])
+                if two:
+                    ring.ready[k].record(copy)
+                    self._wait_ready(kern, ring.ready[k])
+                with self._on(kern):
+                    self._run(SCATTER, "scatter", (slot, ids[a:b], self.l1.slabs))
+                if two:
+                    ring.free[k].record(kern)
+        if two and not d2h:
+            self._wait_ready(copy, ring.free[k])  # the ticket's event comes after the last scatter
+
+    def _on(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream) if self.cuda and stream is not self.stream else contextlib.nullcontext()
 
     def _layered_copies(
         self,
-        packed: torch.Tensor,
-        staged: torch.Tensor | None,
-        src: Sequence[int],
-        runs: list[tuple[int, int]],
         ids: torch.Tensor,
+        l2_ids: torch.Tensor | None,
+        l2_pages: Sequence[int],
+        runs: list[tuple[int, int]],
         events: Sequence[Any],
     ) -> None:
-        """On the transfer stream: per group of layers, strided DMAs of their K and V slabs
-        into the workspace, one scatter into L1, one event per layer."""
-        layers = self.geometry.num_layers
-        n = packed.shape[0]
-        rows = torch.arange(n, device=packed.device)
-        pieces = (
-            [(0, n, staged)]
-            if staged is not None
-            else [(a, b, self.l2.slabs[src[a] : src[a] + b - a]) for a, b in runs]
-        )
-        # NOTE: the DMAs go by address (checked once here): per-copy checks of the views
-        # cost more host time than the copies' enqueue, and the forward launches after it.
-        size = packed.element_size()
-        slab = self.geometry.page_elements * size  # bytes of one layer's K (or V) of a page
-        pitch = 2 * layers * slab  # bytes of a page, in the workspace and in L2 alike
-        plan = []
-        for first, end, host in pieces:
-            assert host is not None
-            dma.check_rows(packed[first:end, 0], host[:, 0])  # rows a page apart, pinned source
-            plan.append((packed.data_ptr() + first * pitch, host.data_ptr(), end - first))
+        """On the transfer stream, per group of layers: its layers of every page into L1
+        (zero-copy from L2 given ``l2_ids``; else strided DMAs into ring slots in the
+        compact layout, units of as many pages as a slot holds, one scatter each), then
+        one record per distinct event of the group."""
+        g = self.geometry
+        layers, n = g.num_layers, ids.numel()
+        ring = self._ring
+        assert ring is not None and self._ids is not None
+        size = ring.memory.element_size()
+        slab = g.page_elements * size  # bytes of one layer's K (or V) of a page
+        pitch = 2 * layers * slab  # bytes of a page in L2
+        base = self.l2.slabs.data_ptr()
+        # NOTE: the DMAs go by address (L2 is pinned, checked at planning): per-copy checks of
+        # views cost more host time than the copies' enqueue, and the forward launches after it.
+        rows = dma.copy_rows_raw if self.cuda else None
+        unit = 0
         for lo, hi in self.layer_groups():
-            for dst, host_ptr, count in plan:
-                for base in (lo, layers + lo):  # K slabs, then V slabs
-                    at = base * slab
-                    dma.copy_rows_raw(dst + at, pitch, host_ptr + at, pitch, (hi - lo) * slab, count, self.stream)
-            self._scatter_layers(packed, rows, ids, (lo, hi))
+            count = hi - lo
+            if l2_ids is None or not self._load_in_place(l2_ids, ids, (lo, hi)):
+                per = max(1, ring.pages * layers // count)
+                per -= per & 1 if per > 1 else 0
+                dpitch = 2 * count * slab
+                for a in range(0, n, per):
+                    b = min(n, a + per)
+                    buf = ring.flat(unit % ring.count, (b - a, 2 * count, g.page_elements))
+                    unit += 1
+                    for first, end in _clip(runs, a, b):
+                        for kv in (0, 1):
+                            dst = buf.data_ptr() + (first - a) * dpitch + kv * count * slab
+                            src = base + l2_pages[first] * pitch + (kv * layers + lo) * slab
+                            if rows is not None:
+                                rows(dst, dpitch, src, pitch, count * slab, end - first, self.stream)
+                            else:
+                                dma.copy_rows_host(dst, dpitch, src, pitch, count * slab, end - first)
+                    self._scatter_layers(buf, self._ids.arange[: b - a], ids[a:b], (lo, hi))
             for event in {id(e): e for e in events[lo:hi]}.values():
                 event.record(self.stream)
+
+    def _load_in_place(self, l2_ids: torch.Tensor, ids: torch.Tensor, layers: tuple[int, int]) -> bool:
+        """Layers of fragmented pages straight from L2 (zero-copy); False after a Triton
+        failure under ``auto`` (the caller then uses DMAs, and so do later transfers)."""
+        if not self.direct_usable:
+            return False
+        try:
+            kernels.load_layers_triton(
+                self.l2.slabs, l2_ids, self.l1.slabs, ids, layers, programs=self.scatter_programs
+            )
+            return True
+        except Exception as exc:
+            if self.requested == "triton":
+                raise
+            warnings.warn(f"hicache: zero-copy layer load failed ({exc!r})", RuntimeWarning, stacklevel=4)
+            self.direct_usable = False
+            return False
 
     def _scatter_layers(
         self, packed: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, layers: tuple[int, int]
     ) -> None:
-        """Layers ``[lo, hi)`` of the workspace into their L1 pages; a Triton failure under
-        ``auto`` falls back to torch for good, as the whole-run scatter does (:meth:`_run`)."""
+        """Layers ``[lo, hi)`` of a compact workspace into their L1 pages; a Triton failure
+        under ``auto`` falls back to torch for good, as the whole-run scatter does (:meth:`_run`)."""
         if self.scatter_backend == "triton":
             try:
-                kernels.load_layers_triton(packed, rows, self.l1.slabs, ids, layers, programs=self.scatter_programs)
+                kernels.load_layers_triton(
+                    packed, rows, self.l1.slabs, ids, layers, programs=self.scatter_programs, compact=True
+                )
                 return
             except Exception as exc:
                 if self.requested == "triton":
@@ -515,41 +795,39 @@ class TransferEngine:
                     stacklevel=4,
                 )
                 self.scatter_backend = "torch"
-        kernels.load_layers_torch(packed, rows, self.l1.slabs, ids, layers)
-
-    def _issue(self, ticket: DeviceTicket, copies: Callable[[], None], keep: list[Any]) -> None:
-        """Run ``copies`` synchronously (CPU) or on the transfer stream behind the caller's."""
-        if not self.cuda:
-            t = time.perf_counter()
-            copies()
-            ticket.timings.service_s = time.perf_counter() - t
-            return
-        # NOTE: the transfer stream must see the page ids and pages the caller produced, and
-        # must not overwrite pages the caller's queued work still reads.
-        self.stream.wait_stream(torch.cuda.current_stream(self.l1.device))
-        start, end = _Event(enable_timing=True), _Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
-            start.record()
-            copies()
-            end.record()
-        keep[0].record_stream(self.stream)  # the ids tensor came from the caller's stream
-        ticket.event = end
-        ticket.keep = [start, *keep]
+        kernels.load_layers_torch(packed, rows, self.l1.slabs, ids, layers, compact=True)
 
     # -- observability -----------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        """Backends, paths taken, and transfer memory: the ring's cap is fixed at
+        construction, whatever the transfers' sizes; it is allocated at first use."""
+        bpp = self.bytes_per_page
+        ring = self._ring.nbytes if self._ring is not None else 0
+        index = self._ids.nbytes if self._ids is not None else 0
         return {
             "requested": self.requested,
             "gather": self.gather_backend,
             "scatter": self.scatter_backend,
             "autotune_ms": dict(self.autotune_ms),
-            "workspaces": len(self.workspaces),
-            "workspace_device_bytes": self.device_workspace_bytes,
-            "workspace_pinned_bytes": self.pinned_bytes,
+            "direct": self.direct_usable,
+            "direct_max_bytes": self.direct_max_bytes,
+            "chunk_pages": self.chunk_pages,
+            "chunks": self.chunks,
+            "chunk_bytes": self.chunk_pages * bpp,
+            "ring_cap_bytes": self.chunk_pages * self.chunks * bpp,
+            "workspaces": int(self._ring is not None),
+            "workspace_device_bytes": ring,
+            "workspace_pinned_bytes": 0,
+            "index_bytes": index,
+            "paths": dict(self.paths),
+            "allocation_failures": self.allocation_failures,
+            "fences": self.fence_policy,
             "device": str(self.l1.device),
         }
 
     def synchronize(self) -> None:
         if self.cuda:
             self.stream.synchronize()
+            if self._kernel_stream is not None:
+                self._kernel_stream.synchronize()

@@ -21,21 +21,25 @@ def rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("slabs_n", "pool", "elems", "n"), [(2, 5, 3, 2), (6, 13, 97, 7), (4, 9, 1030, 9)])
-def test_gather_and_scatter_match_torch(dtype: torch.dtype, slabs_n: int, pool: int, elems: int, n: int) -> None:
+@pytest.mark.parametrize("block", [None, 64])
+def test_gather_and_scatter_match_torch(
+    dtype: torch.dtype, slabs_n: int, pool: int, elems: int, n: int, block: int | None
+) -> None:
+    """Any block size (``None``: the default) moves exactly the rows asked for."""
     gen = torch.Generator().manual_seed(slabs_n * 1000 + elems)
     slabs = rand((slabs_n, pool, elems), dtype, gen)
     ids = torch.randperm(pool, generator=gen)[:n].to(DEVICE)
     want = torch.full((n + 1, slabs_n, elems), float("nan"), dtype=dtype, device=DEVICE)
     got = want.clone()
     kernels.gather_torch(slabs, ids, want)
-    kernels.gather_triton(slabs, ids, got)
+    kernels.gather_triton(slabs, ids, got, block=block)
     assert torch.equal(want[:n], got[:n])
     assert torch.equal(want[:n], slabs[:, ids].transpose(0, 1))
     assert got[n].isnan().all(), "gather wrote past its pages"
     base = rand((slabs_n, pool, elems), dtype, gen)
     a, b = base.clone(), base.clone()
     kernels.scatter_torch(want, ids, a)
-    kernels.scatter_triton(want, ids, b)
+    kernels.scatter_triton(want, ids, b, block=block)
     assert torch.equal(a, b)
     untouched = torch.ones(pool, dtype=torch.bool)
     untouched[ids.cpu()] = False
@@ -127,3 +131,96 @@ def test_warming_the_layered_load_launches_each_group_at_both_row_residues(
     scratch = {c[2] for c in calls}
     assert len(scratch) == 1 and (scratch.pop() % 16 == 0) == (pool_pages % 16 == 0)
     assert torch.equal(dst, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("slabs_n", "pool", "l2", "elems", "n"), [(2, 5, 7, 3, 2), (6, 13, 11, 97, 7), (4, 9, 12, 1030, 9)]
+)
+def test_gather_and_scatter_through_packed_ids_match_torch(
+    dtype: torch.dtype, slabs_n: int, pool: int, l2: int, elems: int, n: int
+) -> None:
+    """The direct path's kernels: L1 pages straight into L2 pages ``packed_ids`` (and
+    back), equal to the torch twins, every other L2 row and L1 page untouched."""
+    gen = torch.Generator().manual_seed(slabs_n * 100 + n)
+    slabs = rand((slabs_n, pool, elems), dtype, gen)
+    ids = torch.randperm(pool, generator=gen)[:n].to(DEVICE)
+    packed_ids = torch.randperm(l2, generator=gen)[:n].to(DEVICE)
+    host = torch.randn((l2, slabs_n, elems), generator=gen).to(dtype)
+    if DEVICE == "cuda":
+        host = host.pin_memory()
+    want, got = host.clone(), host.clone()
+    if DEVICE == "cuda":
+        got = got.pin_memory()
+    kernels.gather_torch(slabs.cpu(), ids.cpu(), want, packed_ids.cpu())
+    kernels.gather_triton(slabs, ids, got, packed_ids)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(want, got)
+    rest = [r for r in range(l2) if r not in packed_ids.tolist()]
+    assert torch.equal(got[rest], host[rest]), "gather wrote other L2 rows"
+    base = rand((slabs_n, pool, elems), dtype, gen)
+    a, b = base.clone().cpu(), base.clone()
+    kernels.scatter_torch(host, ids.cpu(), a, packed_ids.cpu())
+    kernels.scatter_triton(host, ids, b, packed_ids)
+    assert torch.equal(a, b.cpu())
+    untouched = torch.ones(pool, dtype=torch.bool)
+    untouched[ids.cpu()] = False
+    assert torch.equal(b.cpu()[:, untouched], base.cpu()[:, untouched]), "scatter touched other pages"
+
+
+def test_launchers_refuse_packed_ids_that_do_not_fit() -> None:
+    slabs = torch.zeros(2, 4, 8, device=DEVICE)
+    host = torch.zeros(5, 2, 8)
+    ids = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ConfigError, match="packed pages"):
+        kernels.gather_triton(slabs, ids, host.to(DEVICE), ids[:1])
+    if DEVICE == "cuda":
+        with pytest.raises(ConfigError, match="pinned"):
+            kernels.gather_triton(slabs, ids, host, ids)  # pageable host memory
+
+
+@pytest.mark.parametrize("layers", [(0, 3), (1, 2), (2, 3)])
+@pytest.mark.parametrize("programs", [None, 2])
+def test_compact_layer_load_matches_torch(layers: tuple[int, int], programs: int | None) -> None:
+    """A compact workspace ``[n, 2*(hi-lo), E]`` (K slabs of the layers, then V) into
+    L1: those layers of those pages, nothing else."""
+    gen = torch.Generator().manual_seed(layers[0] * 7 + layers[1])
+    n_layers, l1_pages, elems, n = 3, 9, 33, 5
+    count = layers[1] - layers[0]
+    src = rand((n, 2 * count, elems), torch.float32, gen)
+    rows = torch.arange(n, device=DEVICE)
+    dst_ids = torch.randperm(l1_pages, generator=gen)[:n].to(DEVICE)
+    base = rand((2 * n_layers, l1_pages, elems), torch.float32, gen)
+    a, b = base.clone(), base.clone()
+    kernels.load_layers_torch(src, rows, a, dst_ids, layers, compact=True)
+    kernels.load_layers_triton(src, rows, b, dst_ids, layers, programs=programs, compact=True)
+    want = base.clone()
+    for i in range(n):
+        for kv in range(2):
+            for x in range(count):
+                want[kv * n_layers + layers[0] + x, int(dst_ids[i])] = src[i, kv * count + x]
+    assert torch.equal(a, want) and torch.equal(b, want)
+    with pytest.raises(ConfigError, match="compact workspace"):
+        kernels.load_layers_triton(src[:, :1], rows, b, dst_ids, layers, compact=True)
+
+
+def test_warming_with_an_l2_source_also_launches_the_zero_copy_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given L2's slabs, every group and size is launched from them too (fragmented
+    layered restores read L2 in place); neither pool is written."""
+    calls: list[bool] = []
+    real = kernels.load_layers_triton
+
+    def spy(*args: Any, **kw: Any) -> None:
+        calls.append(bool(kw.get("compact")))
+        real(*args, **kw)
+
+    monkeypatch.setattr(kernels, "load_layers_triton", spy)
+    dst = torch.randn(2 * 4, 20, 8).to(DEVICE)
+    src = torch.randn(6, 2 * 4, 8)
+    if DEVICE == "cuda":
+        src = src.pin_memory()
+    before_dst, before_src = dst.clone(), src.clone()
+    n = kernels.warm_load_layers(dst, [(0, 1), (1, 4)], src=src)
+    assert n == len(calls) == 8 and calls.count(True) == 4
+    assert torch.equal(dst, before_dst) and torch.equal(src, before_src)

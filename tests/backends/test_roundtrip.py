@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import cast
 
 import pytest
 import torch
 
 from hicache.backends import kernels
 from hicache.backends.pools import DevicePool, HostPool
-from hicache.backends.transfer import TransferEngine
+from hicache.backends.transfer import TransferBackend, TransferEngine
 from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError, PageOwnershipError
 from tests.backends.helpers import l1_page, stack
@@ -41,17 +42,24 @@ def test_round_trip_is_bit_exact(page_size: int, dtype: torch.dtype, case: int) 
 
 @pytest.mark.skipif(not kernels.HAVE_TRITON, reason="triton not installed")
 @pytest.mark.parametrize("backend", ["triton", "auto"])
-def test_triton_backends_round_trip(backend: str) -> None:
-    """The transfer engine on Triton kernels (interpreted on CPU) moves the same bytes."""
+@pytest.mark.parametrize("direct_max_bytes", [0, 1 << 30], ids=["ring", "direct"])
+def test_triton_backends_round_trip(backend: str, direct_max_bytes: int) -> None:
+    """The transfer engine on Triton kernels (interpreted on CPU) moves the same bytes,
+    through the ring (gather/scatter + copies) and direct (one kernel on L2 in place)."""
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU pools need TRITON_INTERPRET=1 (tests/gpu covers Triton on CUDA)")
-    dev, _host, engine, storage = stack(2, torch.bfloat16, backend=backend)  # type: ignore[arg-type]
+    dev, host, _, storage = stack(2, torch.bfloat16)
+    engine = TransferEngine(
+        dev, host, cast(TransferBackend, backend), direct_max_bytes=direct_max_bytes, min_run_bytes=0
+    )
     want = [l1_page(dev, p).clone() for p in (5, 1)]
     assert engine.d2h([5, 1], [7, 3]).wait() and engine.h2d([7, 3], [0, 11]).wait()
     assert torch.equal(l1_page(dev, 0), want[0]) and torch.equal(l1_page(dev, 11), want[1])
+    path = "direct" if direct_max_bytes and backend == "triton" else "ring"  # CPU: auto never goes direct
+    assert engine.status()["paths"][path] == 2
     assert engine.status()["gather"] in ("triton", "torch")
-    if backend == "auto":
+    if backend == "auto" and not direct_max_bytes:
         assert set(engine.status()["autotune_ms"]) == {
             "gather_torch",
             "gather_triton",
@@ -70,21 +78,15 @@ def test_host_buffer_is_the_l1_ordered_view() -> None:
     assert host.bytes.data_ptr() % 4096 == 0
 
 
-def test_consecutive_path_allocates_no_pinned_workspace() -> None:
+def test_transfers_allocate_no_pinned_workspace() -> None:
+    """Neither consecutive nor fragmented L2 pages stage through pinned memory: the ring
+    is device memory and fragmented pages go one copy per run (or direct)."""
     _dev, _host, engine, storage = stack(2, torch.float32)
     assert engine.d2h([0, 1, 2], [3, 4, 5]).wait()
+    assert engine.d2h([3, 4], [9, 1]).wait()
+    assert engine.h2d([9, 1], [6, 7]).wait()
     assert engine.status()["workspace_pinned_bytes"] == 0
-    assert engine.d2h([3, 4], [9, 1]).wait()  # fragmented: now a host buffer exists
-    assert engine.status()["workspace_pinned_bytes"] > 0
-    storage.close()
-
-
-def test_workspaces_keep_only_the_largest_idle() -> None:
-    _dev, _host, engine, storage = stack(1, torch.float32, l1=20, l2=20)
-    assert engine.d2h([0, 1], [0, 1]).wait()
-    assert engine.d2h(list(range(2, 10)), list(range(2, 10))).wait()
-    assert engine.d2h([10], [10]).wait()
-    assert [w.pages for w in engine.workspaces] == [8]
+    assert engine.status()["workspace_device_bytes"] == engine.status()["ring_cap_bytes"] > 0
     storage.close()
 
 
@@ -124,11 +126,15 @@ def test_explicit_triton_without_device_raises(monkeypatch: pytest.MonkeyPatch) 
         TransferEngine(DevicePool.allocate(g, 2, "cpu"), HostPool(g, 2), "triton")
 
 
-@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40], ids=["dma-per-run", "pinned-workspace"])
-def test_both_fragmented_paths_are_bit_exact(min_run_bytes: int) -> None:
-    """Fragmented L2 pages go either one DMA per run or through the pinned workspace."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40], ids=["copy-per-run", "direct-if-triton"])
+def test_both_fragmented_paths_are_bit_exact(backend: str, min_run_bytes: int) -> None:
+    """Fragmented L2 pages go one copy per run from the ring, or (runs too short for a
+    DMA each, Triton available) direct."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU pools need TRITON_INTERPRET=1")
     dev, host, _, storage = stack(16, torch.bfloat16)
-    engine = TransferEngine(dev, host, "torch", min_run_bytes=min_run_bytes)
+    engine = TransferEngine(dev, host, backend, min_run_bytes=min_run_bytes, direct_max_bytes=0)  # type: ignore[arg-type]
     src, l2_pages, dst = [4, 5, 9, 0, 1], [2, 3, 7, 8, 0], [10, 11, 2, 3, 6]
     want = [l1_page(dev, p).clone() for p in src]
     assert engine.d2h(src, l2_pages).wait()
@@ -137,7 +143,8 @@ def test_both_fragmented_paths_are_bit_exact(min_run_bytes: int) -> None:
     assert engine.h2d(l2_pages, dst).wait()
     for w, p in zip(want, dst, strict=True):
         assert torch.equal(l1_page(dev, p), w)
-    assert (engine.status()["workspace_pinned_bytes"] > 0) == (min_run_bytes > 0)
+    direct = backend == "triton" and min_run_bytes > 0
+    assert engine.status()["paths"] == {"direct": 2 * direct, "ring": 2 * (not direct), "layered": 0}
     storage.close()
 
 
@@ -161,7 +168,9 @@ def test_triton_failure_falls_back_under_auto_and_raises_when_explicit(monkeypat
     strict.requested, strict.gather_backend, strict.scatter_backend = "triton", "triton", "torch"
     with pytest.raises(RuntimeError, match="compile failed"):
         strict.d2h([3], [1])
-    assert not any(w.busy for w in strict.workspaces), "a failed issue leaked its workspace"
+    strict.gather_backend = "torch"
+    assert strict.d2h([3], [1]).wait(), "a failed issue left the engine unusable"
+    assert torch.equal(host.buffer[:, :, 1], want)
     storage.close()
 
 

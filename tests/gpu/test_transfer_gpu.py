@@ -1,6 +1,10 @@
-"""CUDA transfer engine: bit-exact round trips, stream ordering, lazy pinned workspaces."""
+"""CUDA transfer engine: bit-exact round trips through the ring and the direct path,
+bounded memory, failed allocations. Stream order: test_streams_gpu.py."""
 
 from __future__ import annotations
+
+import random
+from typing import Any
 
 import pytest
 import torch
@@ -51,60 +55,123 @@ def test_cuda_round_trip_through_l3(backend: TransferBackend, page_size: int, fr
     storage.close()
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_d2h_waits_for_pages_the_caller_just_wrote(backend: TransferBackend) -> None:
-    """The caller's stream (a non-default one, as engines use: nothing implicit orders it
-    with ours) writes L1 pages after a long kernel, then asks for D2H at once: the transfer
-    stream must wait (the seed's stream bug)."""
-    dev, host, engine = make(16, backend)
-    engine.d2h([20, 21, 22, 23], [30, 31, 32, 33]).wait()  # warm-up: JIT and same-size buffers
-    fresh = torch.randn(dev.buffer[:, :, 5:9].shape, device="cuda").to(dev.geometry.dtype)
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
+@pytest.mark.parametrize("path", ["direct", "ring"])
+@pytest.mark.parametrize("fragmented", [False, True])
+@pytest.mark.parametrize("n", [1, 5, 16, 37])
+def test_transfers_larger_than_the_ring_are_bit_exact(
+    backend: TransferBackend, path: str, fragmented: bool, n: int
+) -> None:
+    """Up to several times the ring (4 slots of 2 pages), odd sizes, both paths: bit-exact,
+    no other page written."""
+    g = KVGeometry(4, 2, 64, 16, torch.bfloat16)
+    dev = DevicePool.allocate(g, 96, "cuda")
+    dev.buffer.copy_(torch.randn(dev.buffer.shape, device="cuda").to(g.dtype))
+    host = HostPool(g, 96)
+    host.page_buffer.copy_(torch.randn(host.page_buffer.shape).to(g.dtype))
+    kw: dict[str, Any] = {"direct_max_bytes": 1 << 30} if path == "direct" else {"direct_max_bytes": 0}
+    engine = TransferEngine(dev, host, backend, chunk_bytes=2 * g.bytes_per_page, chunks=4, min_run_bytes=0, **kw)
+    rng = random.Random(n)
+    src = rng.sample(range(96), n)
+    l2 = rng.sample(range(96), n) if fragmented else list(range(50, 50 + n))
+    dst = rng.sample(range(96), n)
+    want = dev.slabs[:, src].transpose(0, 1).cpu()
+    l2_before = host.slabs.clone()
+    assert engine.d2h(src, l2).wait()
+    assert torch.equal(host.slabs[l2], want)
+    rest = [p for p in range(96) if p not in l2]
+    assert torch.equal(host.slabs[rest], l2_before[rest])
+    l1_before = dev.slabs.clone()
+    assert engine.h2d(l2, dst).wait()
     torch.cuda.synchronize()
-    with torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]
-        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-        dev.buffer[:, :, 5:9].copy_(fresh)  # queued on the caller's stream behind the sleep
-        ticket = engine.d2h([5, 6, 7, 8], [0, 1, 2, 3])
-    assert ticket.wait()
-    assert torch.equal(host.buffer[:, :, 0:4], fresh.cpu())
+    assert torch.equal(dev.slabs[:, dst].transpose(0, 1).cpu(), want)
+    keep = [p for p in range(96) if p not in dst]
+    assert torch.equal(dev.slabs[:, keep], l1_before[:, keep])
+    expect = "ring" if path == "ring" or backend == "torch" else "direct"
+    assert engine.status()["paths"][expect] == 2
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_h2d_waits_for_the_callers_reads_of_old_pages(backend: TransferBackend) -> None:
-    """The caller still reads a page (behind a long kernel, on its own stream) when it asks
-    to overwrite it by H2D: the read must see the old contents."""
-    dev, host, engine = make(16, backend)
-    engine.h2d([11], [4]).wait()  # warm-up
-    old = dev.buffer[:, :, 3].clone()
+def test_transfer_device_memory_is_bounded_whatever_the_size() -> None:
+    """After the first transfer, a transfer of 32 times the ring allocates no device
+    memory (the Triton kernels need none): the ring is the cap."""
+    g = KVGeometry(4, 2, 64, 16, torch.bfloat16)
+    dev = DevicePool.allocate(g, 300, "cuda")
+    host = HostPool(g, 300)
+    engine = TransferEngine(dev, host, "triton", direct_max_bytes=0, chunk_bytes=4 * g.bytes_per_page, chunks=2)
+    assert engine.d2h([0], [0]).wait() and engine.h2d([0], [1]).wait()
     torch.cuda.synchronize()
-    caller = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    assert engine.d2h(list(range(256)), list(range(256))).wait()
+    assert engine.h2d(list(range(256)), list(range(256))).wait()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() == base == torch.cuda.memory_allocated()
+    assert engine.status()["workspace_device_bytes"] == 8 * g.bytes_per_page
+
+
+@pytest.mark.parametrize("path", ["direct", "ring"])
+def test_the_index_ring_wraps_under_many_transfers_in_flight(path: str) -> None:
+    """More transfers queued (behind a long kernel on the caller's stream) than the page-id
+    buffers hold: a region is reused only after its transfer ended; every page right."""
+    g = KVGeometry(2, 2, 64, 16, torch.bfloat16)
+    dev = DevicePool.allocate(g, 64, "cuda")
+    dev.buffer.copy_(torch.randn(dev.buffer.shape, device="cuda").to(g.dtype))
+    host = HostPool(g, 64)
+    engine = TransferEngine(dev, host, "triton", direct_max_bytes=(1 << 30) if path == "direct" else 0)
+    assert engine.d2h([0], [0]).wait()
+    assert engine._ids is not None
+    rounds = engine._ids.capacity // 8 + 8
+    caller: Any = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    tickets = []
     with torch.cuda.stream(caller):
         torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-        snapshot = dev.buffer[:, :, 3].clone()  # queued behind the sleep
-        ticket = engine.h2d([10], [3])
-        ticket.wait_on_current_stream()
-    torch.cuda.synchronize()
-    assert torch.equal(snapshot, old)
-    assert torch.equal(dev.buffer[:, :, 3].cpu(), host.buffer[:, :, 10])
+        for r in range(rounds):
+            pages = [(r * 8 + i) % 64 for i in range(8)]
+            tickets.append(engine.d2h(pages, pages[::-1]))
+    assert all(t.wait() for t in tickets)
+    for r in range(rounds - 8, rounds):  # the last 8 rounds cover every page: the final bytes
+        pages = [(r * 8 + i) % 64 for i in range(8)]
+        assert torch.equal(host.slabs[pages[::-1]], dev.slabs[:, pages].transpose(0, 1).cpu())
 
 
-def test_consecutive_path_allocates_no_pinned_workspace() -> None:
+def test_an_out_of_memory_fails_the_ticket_and_the_engine_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ring's allocation raising OutOfMemoryError fails the transfer (no exception);
+    the next one allocates and works."""
+    dev, host, engine = make(16, "triton")
+    engine.direct_max_bytes = 0
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is not None and kwargs.get("dtype") == dev.geometry.dtype:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    ticket = engine.d2h([1, 2], [3, 4])
+    assert ticket.ok is False and "out of memory" in (ticket.error or "")
+    monkeypatch.setattr(torch, "empty", real)
+    assert engine.d2h([1, 2], [3, 4]).wait()
+    assert torch.equal(host.buffer[:, :, 3:5], dev.buffer[:, :, 1:3].cpu())
+
+
+def test_no_transfer_stages_through_pinned_memory() -> None:
     _dev, _host, engine = make(16, "auto")
     assert engine.d2h(list(range(8)), list(range(8, 16))).wait()
     assert engine.h2d(list(range(8, 16)), list(range(20, 28))).wait()
-    assert engine.status()["workspace_pinned_bytes"] == 0
     assert engine.d2h([1, 5], [40, 2]).wait()
-    assert engine.status()["workspace_pinned_bytes"] > 0
+    assert engine.status()["workspace_pinned_bytes"] == 0
 
 
-def test_offsets_are_64_bit() -> None:
+@pytest.mark.parametrize("direct_max_bytes", [0, 1 << 30], ids=["ring", "direct"])
+def test_offsets_are_64_bit(direct_max_bytes: int) -> None:
     """A pool of more than 2**31 elements: pages past that point move correctly."""
     g = KVGeometry(2, 8, 128, 16, torch.bfloat16)  # 16 * 8 * 128 = 16384 elements per slab page
     pages = 2**31 // (4 * g.page_elements) + 64  # slabs * pages * E > 2**31
     dev = DevicePool.allocate(g, pages, "cuda")
     last = [pages - 1, pages - 2]
-    dev.buffer[:, :, last].copy_(torch.randn(dev.buffer[:, :, last].shape, device="cuda").to(g.dtype))
+    dev.buffer[:, :, last] = torch.randn(dev.buffer[:, :, last].shape, device="cuda").to(g.dtype)
     host = HostPool(g, 4)
-    engine = TransferEngine(dev, host, "triton")
+    engine = TransferEngine(dev, host, "triton", direct_max_bytes=direct_max_bytes)
     assert dev.buffer.numel() > 2**31
     assert engine.d2h(last, [0, 1]).wait()
     assert torch.equal(host.buffer[:, :, 0:2], dev.buffer[:, :, last].cpu())

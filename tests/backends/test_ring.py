@@ -1,0 +1,318 @@
+"""The bounded transfer ring on CPU: transfers larger than the ring, transfer memory fixed
+whatever the size, allocation failures that fail the ticket, persistent index buffers, the
+layered H2D's order of events."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hicache.backends.pools import DevicePool, HostPool
+from hicache.backends.transfer import TransferBackend, TransferEngine
+from hicache.core.geometry import KVGeometry
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pools(pages: int = 24, *, layers: int = 3, seed: int = 0) -> tuple[DevicePool, HostPool]:
+    g = KVGeometry(layers, 2, 4, 2, torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    l1 = DevicePool.allocate(g, pages, "cpu")
+    l1.buffer.copy_(torch.randn(l1.buffer.shape, generator=gen).to(g.dtype))
+    l2 = HostPool(g, pages)
+    l2.page_buffer.copy_(torch.randn(l2.page_buffer.shape, generator=gen).to(g.dtype))
+    return l1, l2
+
+
+def engine(l1: DevicePool, l2: HostPool, chunk_pages: int, chunks: int, **kw: Any) -> TransferEngine:
+    """An engine whose ring holds ``chunks`` chunks of ``chunk_pages`` pages, never direct."""
+    kw.setdefault("backend", "torch")
+    kw.setdefault("direct_max_bytes", 0)
+    kw.setdefault("min_run_bytes", 0)
+    return TransferEngine(l1, l2, chunk_bytes=chunk_pages * l1.geometry.bytes_per_page, chunks=chunks, **kw)
+
+
+def l1_rows(l1: DevicePool, pages: list[int]) -> torch.Tensor:
+    """L1 pages in L2 page layout ``[n, 2*layers, E]``."""
+    return l1.slabs[:, pages].transpose(0, 1).clone()
+
+
+def round_trip(eng: TransferEngine, n: int, fragmented: bool, seed: int) -> None:
+    """D2H ``n`` random L1 pages into L2 pages, then H2D them into other L1 pages: each
+    step bit-exact, and nothing else written."""
+    rng = random.Random(seed)
+    l1, l2 = eng.l1, eng.l2
+    src = rng.sample(range(l1.num_pages), n)
+    if fragmented:
+        l2_pages = rng.sample(range(l2.num_pages), n)
+    else:
+        first = rng.randrange(l2.num_pages - n + 1)
+        l2_pages = list(range(first, first + n))
+    want = l1_rows(l1, src)
+    l2_before = l2.slabs.clone()
+    assert eng.d2h(src, l2_pages).wait()
+    assert torch.equal(l2.slabs[l2_pages], want)
+    others = [p for p in range(l2.num_pages) if p not in l2_pages]
+    assert torch.equal(l2.slabs[others], l2_before[others]), "D2H wrote other L2 pages"
+    dst = rng.sample(range(l1.num_pages), n)
+    l1_before = l1.slabs.clone()
+    assert eng.h2d(l2_pages, dst).wait()
+    assert torch.equal(l1_rows(l1, dst), want)
+    rest = [p for p in range(l1.num_pages) if p not in dst]
+    assert torch.equal(l1.slabs[:, rest], l1_before[:, rest]), "H2D wrote other L1 pages"
+
+
+@pytest.mark.parametrize("fragmented", [False, True], ids=["consecutive", "fragmented"])
+@pytest.mark.parametrize(("chunk_pages", "chunks"), [(1, 2), (2, 2), (2, 3), (4, 5)])
+@pytest.mark.parametrize("n", [1, 5, 7, 11, 23])
+def test_transfers_larger_than_the_ring_are_bit_exact(chunk_pages: int, chunks: int, n: int, fragmented: bool) -> None:
+    """Transfers of up to several times the ring's pages (odd counts, partial last chunks,
+    wrapping around the ring) move exactly the pages asked for."""
+    l1, l2 = pools(seed=n)
+    eng = engine(l1, l2, chunk_pages, chunks)
+    round_trip(eng, n, fragmented, seed=n * 31 + chunks)
+    assert eng.status()["workspace_device_bytes"] == chunk_pages * chunks * l1.geometry.bytes_per_page
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU pools need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("fragmented", [False, True], ids=["consecutive", "fragmented"])
+def test_the_ring_on_triton_kernels_is_bit_exact(fragmented: bool) -> None:
+    """The same through the Triton gather and scatter (interpreted)."""
+    l1, l2 = pools()
+    eng = engine(l1, l2, 2, 2, backend="triton")
+    round_trip(eng, 7, fragmented, seed=3)
+    assert eng.status()["paths"]["ring"] == 2
+
+
+@given(
+    chunk_pages=st.integers(1, 6),
+    chunks=st.integers(2, 4),
+    n=st.integers(1, 24),
+    fragmented=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_any_ring_moves_any_transfer_exactly(
+    chunk_pages: int, chunks: int, n: int, fragmented: bool, seed: int
+) -> None:
+    """Property: whatever the ring's shape and the transfer's size, a round trip is exact."""
+    l1, l2 = pools(seed=seed % 7)
+    round_trip(engine(l1, l2, chunk_pages, chunks), n, fragmented, seed)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU pools need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("fragmented", [False, True], ids=["consecutive", "fragmented"])
+def test_the_direct_path_is_bit_exact(fragmented: bool) -> None:
+    """Up to ``direct_max_bytes`` a transfer is one kernel on the L2 pages in place."""
+    l1, l2 = pools()
+    eng = TransferEngine(l1, l2, "triton", direct_max_bytes=1 << 30)
+    round_trip(eng, 9, fragmented, seed=5)
+    assert eng.status()["paths"] == {"direct": 2, "ring": 0, "layered": 0}
+
+
+def test_transfer_memory_does_not_depend_on_transfer_size() -> None:
+    """The ring's cap is known at construction; the first transfer allocates exactly it
+    and the index buffers, and transfers of any size later allocate nothing more."""
+    l1, l2 = pools(64)
+    eng = engine(l1, l2, 2, 3)
+    cap = eng.status()["ring_cap_bytes"]
+    assert cap == 6 * l1.geometry.bytes_per_page and eng.status()["workspace_device_bytes"] == 0
+    seen = set()
+    for n in (1, 2, 17, 64, 3):
+        assert eng.d2h(list(range(n)), list(range(n))).wait()
+        assert eng.h2d(list(range(n)), list(range(64 - n, 64))).wait()
+        s = eng.status()
+        seen.add((s["workspace_device_bytes"], s["workspace_pinned_bytes"], s["index_bytes"]))
+    assert seen == {(cap, 0, eng.status()["index_bytes"])}
+
+
+def test_index_buffers_are_persistent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page ids go through buffers allocated once: after the first transfer no transfer
+    builds a tensor of them, and the buffers stay the same (no growth)."""
+    l1, l2 = pools(32)
+    eng = engine(l1, l2, 4, 2)
+    assert eng.d2h([0], [0]).wait()
+    ids = eng._ids
+    assert ids is not None
+    host, capacity = ids.host.data_ptr(), ids.capacity
+
+    def no_tensor(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("a transfer built a tensor of page ids")
+
+    monkeypatch.setattr(torch, "tensor", no_tensor)
+    monkeypatch.setattr(torch, "as_tensor", no_tensor)
+    for n in range(1, 33, 5):  # enough transfers to wrap the id ring
+        round_trip(eng, n, fragmented=n % 2 == 1, seed=n)
+    for _ in range(ids.capacity // 32 + 2):
+        assert eng.d2h(list(range(32)), list(range(32))).wait()
+    assert eng._ids is ids and ids.host.data_ptr() == host and ids.capacity == capacity
+
+
+@pytest.mark.parametrize("failing", ["index", "ring"])
+@pytest.mark.parametrize(
+    "error", [torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("cudaHostAlloc failed")], ids=["oom", "other"]
+)
+def test_an_allocation_failure_fails_the_ticket_and_the_engine_goes_on(
+    monkeypatch: pytest.MonkeyPatch, failing: str, error: Exception
+) -> None:
+    """An allocation that fails (the index buffers or the ring) fails that transfer's
+    ticket, with the reason, instead of raising; nothing was written; it is counted; the
+    next transfer allocates again and works."""
+    l1, l2 = pools()
+    eng = engine(l1, l2, 2, 2)
+    real = torch.empty
+    calls = {"n": 0}
+    fail_at = 1 if failing == "index" else 2  # _Ids allocates first, then the ring
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and args[0] != ():  # not a dtype's item size
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    before = l2.slabs.clone()
+    ticket = eng.d2h([3, 4, 5], [0, 1, 2])
+    assert ticket.ok is False and ticket.poll() and not ticket.wait()
+    assert ticket.error is not None and "allocation failed" in ticket.error and str(error) in ticket.error
+    assert torch.equal(l2.slabs, before)
+    assert eng.status()["allocation_failures"] == 1
+    monkeypatch.setattr(torch, "empty", real)
+    round_trip(eng, 7, fragmented=True, seed=1)
+    assert eng.status()["workspace_device_bytes"] == eng.status()["ring_cap_bytes"]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU pools need TRITON_INTERPRET=1")
+def test_a_direct_transfer_goes_on_without_the_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct path needs no ring: when the ring cannot be allocated, small transfers
+    still work, and a ring transfer fails its ticket."""
+    l1, l2 = pools()
+    eng = TransferEngine(l1, l2, "triton", direct_max_bytes=4 * l1.geometry.bytes_per_page)
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("dtype") == l1.geometry.dtype and args[0] != ():  # the ring, not the index buffers
+            raise torch.OutOfMemoryError("no room for the ring")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    want = l1_rows(l1, [1, 2])
+    assert eng.d2h([1, 2], [5, 9]).wait()
+    assert torch.equal(l2.slabs[[5, 9]], want)
+    big = eng.d2h(list(range(8)), list(range(8)))
+    assert big.ok is False and "ring" in (big.error or "")
+    assert eng.status()["paths"]["direct"] == 1
+
+
+class FakeEvent:
+    """Stands for a ``torch.cuda.Event``: at each record, snapshots which layers of the
+    restored pages already hold their final bytes."""
+
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+        self.records: list[frozenset[int]] = []
+
+    def record(self, stream: object = None) -> None:
+        self.records.append(self.probe())
+
+
+@pytest.mark.parametrize(
+    "backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRET, reason="interpreter"))]
+)
+@pytest.mark.parametrize("fragmented", [False, True], ids=["consecutive", "fragmented"])
+@pytest.mark.parametrize("chunk_pages", [1, 4])
+def test_layered_h2d_records_each_event_after_its_layers_of_every_page(
+    monkeypatch: pytest.MonkeyPatch, backend: TransferBackend, fragmented: bool, chunk_pages: int
+) -> None:
+    """The layered H2D (its address arithmetic run on CPU): each layer's event is recorded
+    once every page's K and V of that layer (and of no later group) has landed, in units
+    of a ring slot (a small ring: several units per group); the pages end bit-exact."""
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+    l1, l2 = pools(24, layers=7)
+    eng = engine(l1, l2, chunk_pages, 2, backend=backend, layer_group=1, max_layer_group=4, scatter_programs=2)
+    layers = l1.geometry.num_layers
+    rng = random.Random(chunk_pages)
+    l2_pages = rng.sample(range(24), 9) if fragmented else list(range(4, 13))
+    dst = rng.sample(range(24), 9)
+    want = l2.slabs[l2_pages].clone()  # [n, 2*L, E]
+
+    def landed() -> frozenset[int]:
+        got = l1.slabs[:, dst].transpose(0, 1)
+        return frozenset(x for x in range(layers) if torch.equal(got[:, [x, layers + x]], want[:, [x, layers + x]]))
+
+    events = [FakeEvent(landed) for _ in range(layers)]
+    l1.slabs.zero_()  # nothing has landed yet
+    assert eng.h2d(l2_pages, dst, layer_events=events).wait()
+    assert eng.status()["paths"]["layered"] == 1
+    for lo, hi in eng.layer_groups():
+        for x in range(lo, hi):
+            (seen,) = events[x].records
+            assert seen == frozenset(range(hi)), (x, sorted(seen))
+    assert torch.equal(l1.slabs[:, dst].transpose(0, 1), want)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU pools need TRITON_INTERPRET=1")
+def test_a_failing_direct_kernel_falls_back_to_the_ring_under_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``auto`` a direct kernel that fails (say Triton cannot reach host memory) is
+    replaced by the ring, with a warning, for this transfer and the later ones; bytes right."""
+    from hicache.backends import kernels
+
+    l1, l2 = pools()
+    eng = TransferEngine(l1, l2, "auto", direct_max_bytes=1 << 30, chunk_bytes=2 * l1.geometry.bytes_per_page)
+    real = kernels.gather_triton
+
+    def no_host(slabs: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor, packed_ids: Any = None) -> None:
+        if packed_ids is not None:
+            raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+        real(slabs, ids, packed)
+
+    monkeypatch.setattr(kernels, "gather_triton", no_host)
+    eng.direct_usable = True  # as under auto on CUDA (on CPU only an explicit "triton" goes direct)
+    want = l1_rows(l1, [3, 4, 5])
+    with pytest.warns(RuntimeWarning, match="direct transfer failed"):
+        assert eng.d2h([3, 4, 5], [9, 1, 7]).wait()
+    assert torch.equal(l2.slabs[[9, 1, 7]], want)
+    assert not eng.direct_usable and eng.status()["paths"] == {"direct": 0, "ring": 1, "layered": 0}
+    round_trip(eng, 5, fragmented=True, seed=2)
+
+
+class Upload:
+    """Stands for a transfer's end event in the index ring: done or not, and waited for."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.waited = done, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def test_the_index_ring_reuses_a_region_only_once_its_upload_ended() -> None:
+    """Regions go round the ring, each list at an even index; taking one waits for exactly
+    the regions still in flight that it overlaps, and forgets finished ones."""
+    from hicache.backends.transfer import _Ids
+
+    ids = _Ids(16, torch.device("cpu"), cuda=False)
+    ids.cuda = True  # the reuse rule is the CUDA one; the buffers stay on the CPU
+    a, b, c = Upload(False), Upload(False), Upload(False)
+    assert ids.put([1, 2, 3], [4, 5, 6]) == (0, 8)  # two lists of 3, each padded to 4
+    assert ids.np[:7].tolist() == [1, 2, 3, ids.np[3], 4, 5, 6]
+    ids.live.append((0, 8, a))
+    assert ids.put([7, 8, 9]) == (8, 4)
+    ids.live.append((8, 12, b))
+    assert ids.put([1, 2]) == (12, 2)
+    ids.live.append((12, 14, c))
+    start, _ = ids.put([5, 6, 7])  # does not fit before the end: wraps, overlapping a only
+    assert start == 0 and a.waited and not b.waited and not c.waited
+    assert [r[2] for r in ids.live] == [b, c]
+    b.done = True
+    ids.put([1])  # [4, 6): nothing overlapped; b has finished and is dropped, c is not
+    assert [r[2] for r in ids.live] == [c] and not c.waited
