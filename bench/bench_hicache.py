@@ -5,7 +5,9 @@ from L2): L1 holds one prefix, L2 one (tier l3) or both (tier l2), L3 both. Poli
 ``always`` forces the tier; tier ``none`` is the engine without hicache (recompute). Per
 prefix length: median TTFT over the iterations after warm-up alternations, speed-up over
 recompute, the per-direction bandwidths from the metrics, and whether greedy outputs match
-recompute. Writes JSON + PNG under bench/results/.
+recompute. Writes JSON + PNG under ``--out`` (default $HICACHE_BENCH_OUT or
+/tmp/hicache-bench). TTFT and bandwidth depend on timing; page fingerprints and greedy
+outputs do not.
 
     python bench/bench_hicache.py --model qwen3-8b --prefix-tokens 350 1000 2000 3500
 """
@@ -13,24 +15,24 @@ recompute. Writes JSON + PNG under bench/results/.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
-from datetime import date
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, CallTimer, PageCheck, device_name, write_results
+from common import CallTimer, PageCheck, add_out_args, device_name, engine_settings, write_results
+from plots import plot_latency
 from tqdm import tqdm
 
 from hicache.engine import build_model
-from hicache.engine.cli import add_engine_args, dtype_of, engine_from_args
-from hicache.engine.model import resolve_attention
+from hicache.engine.cli import ArgParser, FlagError, add_engine_args, dtype_of, engine_from_args, served_from
 
 
 def burst(device: str, ms: float = 100.0) -> None:
     """Keep the GPU busy ~``ms`` so it is at working clocks when the request arrives (an
-    idle H200 drops its SM clock to a few hundred MHz; a serving GPU is not idle)."""
+    idle GPU drops its SM clock; a serving GPU is not idle)."""
     if not device.startswith("cuda"):
         return
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
@@ -71,7 +73,7 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
     sources: list[str] = []
     total = 2 * (args.warmup + args.iterations)
     cache_s = 0.0
-    for i in tqdm(range(total), desc=f"{tier} {prefix}", leave=False):
+    for i in tqdm(range(total), desc=f"{tier} {prefix}", leave=False, disable=None):
         prompt = prefixes[i % 2] + [rng.randrange(vocab) for _ in range(args.suffix_tokens)]
         engine.cache.drain()  # write-through finished before this request arrives
         if args.clock_burst:
@@ -85,7 +87,7 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
             ttft.append(out.ttft_s)
             waits.append(out.restore_wait_s)
             prefills.append(out.prefill_s)
-            sources.append(out.restored_from)
+            sources.append(served_from(out))
             cache_s += engine.stats.cache_s - before
         outputs.append(out.tokens)
     m = engine.cache.metrics
@@ -109,6 +111,7 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         },
         "fallbacks": m.fallbacks,
         "layered_restore": engine.layered,
+        "settings": engine_settings(engine),
         "layered_prefills_used": engine.stats.layered_used,
         "graph_replays": engine.runner.graph_replays,
         "outputs": outputs,
@@ -118,24 +121,37 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
     return row
 
 
+def meta_date(stem: Path) -> str:
+    return str(json.loads(stem.with_suffix(".json").read_text())["meta"]["date"])
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser("python bench/bench_hicache.py", __doc__)
     add_engine_args(ap)
-    ap.add_argument("--prefix-tokens", type=int, nargs="+", default=[350, 1000, 2000, 3500])
-    ap.add_argument("--suffix-tokens", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=1)
-    ap.add_argument("--iterations", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--tiers", nargs="+", default=["none", "l2", "l3"])
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--tag", default=None)
-    ap.add_argument(
+    b = ap.add_argument_group("benchmark")
+    b.add_argument("--prefix-tokens", type=int, nargs="+", default=[350, 1000, 2000, 3500], help="prefix lengths")
+    b.add_argument("--suffix-tokens", type=int, default=8, help="tokens after the prefix")
+    b.add_argument("--max-new-tokens", type=int, default=1, help="tokens generated per request")
+    b.add_argument("--iterations", type=int, default=8, help="timed requests per prefix length and tier")
+    b.add_argument("--warmup", type=int, default=2, help="untimed alternations first")
+    b.add_argument(
+        "--tiers", nargs="+", choices=["none", "l2", "l3"], default=["none", "l2", "l3"], help="none: recompute"
+    )
+    b.add_argument(
         "--no-clock-burst", dest="clock_burst", action="store_false", help="do not warm the GPU up before each request"
     )
+    add_out_args(ap)
     args = ap.parse_args(argv)
     dtype = dtype_of(args)
-    net = build_model(args.model, device=args.device, dtype=dtype)
-    rows = [run_tier(net, args, tier, p) for p in args.prefix_tokens for tier in args.tiers]
+    try:
+        net = build_model(args.model, device=args.device, dtype=dtype)
+        rows = [run_tier(net, args, tier, p) for p in args.prefix_tokens for tier in args.tiers]
+    except FlagError as exc:
+        ap.error(str(exc))
+    # the settings of a row with hicache (the recompute rows have no transfers or restores)
+    settings = next((r["settings"] for r in rows if r["tier"] != "none"), rows[0]["settings"])
+    for r in rows:
+        del r["settings"]
     base = {r["prefix_tokens"]: r["ttft_ms"] for r in rows if r["tier"] == "none"}
     recompute = {r["prefix_tokens"]: r["outputs"] for r in rows if r["tier"] == "none"}
     for r in rows:
@@ -147,23 +163,25 @@ def main(argv: list[str] | None = None) -> None:
     device = device_name(args.device)
     meta = {
         "model": args.model,
-        "dtype": str(dtype),
-        "page_size": args.page_size,
+        **settings,  # as run (layered_restore: of the first row; each row has its own)
+        "attention_cudnn": args.attention_cudnn,
         "iterations": args.iterations,
         "warmup": args.warmup,
-        "cuda_graphs": not args.disable_cuda_graph,
-        "attention": resolve_attention(args.attention, args.device),
-        "attention_cudnn": args.attention_cudnn,
+        "prefix_tokens": args.prefix_tokens,
+        "suffix_tokens": args.suffix_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "clock_burst": args.clock_burst and args.device.startswith("cuda"),
+        "timing_dependent": ["ttft_ms", "speedup", "restore_wait_ms", "prefill_ms", "cache_ms", "gib_per_s"],
     }
     stem = write_results(args.out, f"bench_hicache-{args.model}", args.device, meta, rows, args.tag)
     layered = any(r["layered_restore"] for r in rows)
     print(
-        f"\nTTFT by tier, {args.model} ({dtype}), {device}, {date.today()}; median of {args.iterations}; "
+        f"\nTTFT by tier, {args.model} ({dtype}), {device}, {meta_date(stem)}; median of {args.iterations}; "
         f"layered restore {'on' if layered else 'off'}"
     )
     print(
         f"{'prefix':>7} {'tier':>5} {'TTFT ms':>9} {'speed-up':>8} {'bookkeep':>8} {'issue':>6} {'pages ok':>9} "
-        f"{'greedy≠':>7} {'wait':>6} {'fwd':>6}  served from / bandwidth GiB/s"
+        f"{'greedy≠':>7} {'wait':>6} {'fwd':>6}  prompt KV from / bandwidth GiB/s"
     )
     for r in rows:
         bw = " ".join(f"{d}={v:.1f}" for d, v in r["gib_per_s"].items())
@@ -180,21 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     print("pages ok: restored prefixes whose pages hash (xxh3) equal to the pages as computed;")
     print("greedy≠: outputs differing from recompute;")
     print("wait: ms from the restore's start until a poll saw it published; fwd: ms of the prefill forward")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for tier in args.tiers:
-        pts = [(r["prefix_tokens"], r["ttft_ms"]) for r in rows if r["tier"] == tier]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label={"none": "recompute"}.get(tier, tier))
-    ax.set_xlabel("prefix tokens")
-    ax.set_ylabel("TTFT ms (median)")
-    ax.set_title(f"{args.model} on {device}, {date.today()}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=100)
+    plot_latency(rows, {**meta, "device": device, "date": meta_date(stem)}, stem)
     print(f"wrote {stem}.json and .png")
 
 

@@ -1,4 +1,4 @@
-"""Throughput under rotation, after the seed's stress test, plus decode overlap.
+"""Throughput under prefix rotation (one request at a time), plus decode overlap.
 
 Rotation: ``--prefixes`` (8) prefixes of ``--prefix-tokens`` (350) tokens in turn, one
 request at a time (batch size 1), 1 output token, ``--requests`` (80) timed after one
@@ -14,30 +14,35 @@ overlap loop their restores hide behind decode batches, with ``--disable-hicache
 (blocking) decode stalls. Reports the fraction of restore time overlapped with decode.
 
 Every restored prefix's pages are fingerprinted (xxh3) against the pages as computed:
-``page_mismatches`` must be 0. Writes JSON + PNG under bench/results/.
+``page_mismatches`` must be 0. Writes JSON + PNG under ``--out`` (default
+$HICACHE_BENCH_OUT or /tmp/hicache-bench). Throughput, TTFT and overlap depend on timing,
+and so, under the cost policy, do the tiers chosen; page fingerprints do not.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import random
 import statistics
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, PageCheck, device_name, write_results
+from common import PageCheck, add_out_args, device_name, engine_settings, write_results
+from plots import plot_stress
 from tqdm import tqdm
 
 from hicache.engine import Engine, Output, build_model
-from hicache.engine.cli import add_engine_args, dtype_of, engine_from_args
-from hicache.engine.model import resolve_attention
+from hicache.engine.cli import ArgParser, FlagError, add_engine_args, dtype_of, engine_from_args, served_from
 
 Config = tuple[str, str, str]  # (tier, storage, policy)
+SOURCES = {"recompute": "r", "L1": "1", "L2": "2", "L3": "3"}  # served_from -> letter
 
 
 def configs(storages: list[str]) -> list[Config]:
@@ -82,9 +87,8 @@ def rotate(
 
     def background() -> None:  # short private prompts that decode for long
         while engine.pending < decoders:
-            # NOTE: a prompt of its own per submission (the earlier (n * 13 + j * 7) % 100 came
-            # back every 100 submissions, a cached prompt among fresh ones). Suspected of the
-            # one graph capture left inside the timing, but that capture stayed (session 10).
+            # NOTE: a fresh prompt per submission: a repeated one would be a cached prompt
+            # among fresh ones, a different shape of work.
             rng = random.Random(-1 - engine.stats.submitted)
             engine.submit([rng.randrange(100) for _ in range(32)], args.decode_tokens)
 
@@ -99,13 +103,10 @@ def rotate(
             if found is not None:
                 return found
 
-    # NOTE: untimed: computed, restored, with the decoders running as in the timed part, so
-    # the graphs its shapes need are captured here (a capture is one-time setup: inside the
-    # timed part it was counted as restore time not overlapped, or as decode when a decode
-    # batch captured).
-    # NOTE: the timed requests are numbered after the untimed ones: a timed request repeating
-    # an untimed prompt found its suffix page cached too, a shorter tail whose graph was then
-    # captured inside the timing (session 10).
+    # NOTE: untimed rotations first, with the decoders running as in the timed part, so the
+    # CUDA graphs its shapes need are captured here (a capture is one-time setup).
+    # NOTE: the timed requests are numbered after the untimed ones: a repeated prompt would
+    # find its suffix page cached too, a shorter tail (another graph shape) inside the timing.
     warm = args.warmup_rotations * len(prefixes)
     for i in range(warm):
         out = serve(i)
@@ -119,13 +120,13 @@ def rotate(
     ttft, sources, verify_s = [], [], 0.0
     start_decode = engine.stats.decode_tokens
     t0 = time.perf_counter()
-    for i in tqdm(range(warm, warm + args.requests), desc=desc, leave=False):
+    for i in tqdm(range(warm, warm + args.requests), desc=desc, leave=False, disable=None):
         found = serve(i)
         t1 = time.perf_counter()
         check.observe(engine, i % len(prefixes), prompt(i), full, found)
         verify_s += time.perf_counter() - t1
         ttft.append(found.ttft_s)
-        sources.append(found.restored_from)
+        sources.append(served_from(found))
     wall = time.perf_counter() - t0 - verify_s
     # where the wall time went, for comparing scheduling modes (overlap vs blocking)
     steps = {
@@ -157,8 +158,8 @@ def rotate(
         "req_per_s": args.requests / wall,
         "ttft_ms_median": statistics.median(ttft) * 1e3,
         "ttft_ms_mean": statistics.fmean(ttft) * 1e3,
-        "served_from": {s: sources.count(s) for s in ("L1", "L2", "L3")},
-        "sources_in_order": "".join(s[-1] for s in sources),  # "1"/"2"/"3" per timed request
+        "served_from": {s: sources.count(s) for s in SOURCES},
+        "sources_in_order": "".join(SOURCES[s] for s in sources),  # one letter per timed request
         "decode_tokens_per_s": decode_tokens / wall,
         "restore_s": restore_s,
         "overlap_fraction": overlapped / restore_s if restore_s else None,
@@ -176,24 +177,36 @@ def rotate(
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser("python bench/bench_hicache_stress.py", __doc__)
     add_engine_args(ap)
-    ap.add_argument("--prefixes", type=int, default=8)
-    ap.add_argument("--prefix-tokens", type=int, default=350)
-    ap.add_argument("--suffix-tokens", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=80)
-    ap.add_argument("--l1-prefixes", type=int, default=3)
-    ap.add_argument("--warmup-rotations", type=int, default=2, help="untimed rotations first (>= 1)")
-    ap.add_argument("--storage", nargs="+", choices=["disk", "pagecache"], default=["disk", "pagecache"])
-    ap.add_argument("--disk-dir", default=str(Path(__file__).resolve().parent.parent), help="a dir on the local disk")
-    ap.add_argument("--decoders", type=int, default=4, help="background decoders in the overlap variant (0: skip)")
-    ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--no-rotation", action="store_true", help="run only the overlap variants")
-    ap.add_argument("--repeats", type=int, default=1, help="runs per configuration, round-robin; rows show the median")
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--tag", default=None)
+    b = ap.add_argument_group("benchmark")
+    b.add_argument("--prefixes", type=int, default=8, help="prefixes in rotation (at most 8)")
+    b.add_argument("--prefix-tokens", type=int, default=350, help="tokens per prefix")
+    b.add_argument("--suffix-tokens", type=int, default=8, help="tokens after the prefix")
+    b.add_argument("--requests", type=int, default=80, help="timed requests per configuration")
+    b.add_argument("--l1-prefixes", type=int, default=3, help="prefixes L1 holds")
+    b.add_argument("--warmup-rotations", type=int, default=2, help="untimed rotations first (>= 1)")
+    b.add_argument(
+        "--storage", nargs="+", choices=["disk", "pagecache"], default=["disk", "pagecache"], help="where L3 lives"
+    )
+    b.add_argument("--disk-dir", default=None, help="a directory on the local disk for L3 (default: --out)")
+    b.add_argument("--decoders", type=int, default=4, help="background decoders in the overlap variant (0: skip)")
+    b.add_argument("--decode-tokens", type=int, default=64, help="tokens each background decoder generates")
+    b.add_argument("--no-rotation", action="store_true", help="run only the overlap variants")
+    b.add_argument("--repeats", type=int, default=1, help="runs per configuration, round-robin; rows show the median")
+    add_out_args(ap)
     args = ap.parse_args(argv)
+    if args.disk_dir is None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        args.disk_dir = str(args.out)
     dtype = dtype_of(args)
+    try:
+        return run(args, dtype)
+    except FlagError as exc:
+        ap.error(str(exc))
+
+
+def run(args: argparse.Namespace, dtype: torch.dtype) -> list[dict[str, Any]]:
     net = build_model(args.model, device=args.device, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     vocab = int(net.config.vocab_size)  # type: ignore[union-attr, arg-type]
@@ -208,6 +221,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.decoders:
         jobs += [(v, ("l2", "-", "always"), args.decoders, v == "overlap") for v in ("overlap", "blocking")]
     runs: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    settings: dict[str, Any] = {}
     layered = args.hicache_layered_restore
     for round_ in range(args.repeats):
         for j, (variant, cfg, decoders, prefetch) in enumerate(jobs):
@@ -216,6 +230,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             args.disable_hicache_prefetch = not prefetch
             args.hicache_layered_restore = layered if prefetch else "off"  # a blocking restore is whole
             engine = make_engine(net, args, cfg, where, decoders)
+            settings = settings or engine_settings(engine)
             desc = f"{tier} {storage} {policy}" if variant == "rotation" else variant
             if args.repeats > 1:
                 desc += f" ({round_ + 1}/{args.repeats})"
@@ -241,8 +256,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         rows.append(row)
     meta = {
         "model": args.model,
-        "dtype": str(dtype),
-        "page_size": args.page_size,
+        **settings,  # as run; layered_restore and prefetch: of the first configuration
         **{
             k: getattr(args, k)
             for k in (
@@ -257,7 +271,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 "attention_cudnn",
             )
         },
-        "attention": resolve_attention(args.attention, args.device),
+        "timing_dependent": ["req_per_s", "ttft_ms_*", "overlap_fraction", "served_from (policy cost)"],
     }
     best: dict[str, float] = {}
     for r in rows:
@@ -287,11 +301,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     base = next((r["req_per_s"] for r in rows if r["tier"] == "none"), float("nan"))
     print(
         f"\nStress: {args.prefixes} x {args.prefix_tokens}-token prefixes in rotation, {args.requests} requests, "
-        f"{args.model} ({dtype}) on {device_name(args.device)}, {meta.get('date', '')}"
+        f"{args.model} ({dtype}) on {device_name(args.device)}, {datetime.now(UTC).date()}"
     )
     print(
         f"{'variant':>9} {'tier':>4} {'storage':>9} {'policy':>6} {'req/s':>8} {'vs none':>7} {'TTFT ms':>8} "
-        f"{'L1/L2/L3':>10} {'fallbk':>6} {'overlap':>7} {'dec tok/s':>9} {'cost/best (same)':>16} {'pages ok':>9}"
+        f"{'rec/L1/L2/L3':>13} {'fallbk':>6} {'overlap':>7} {'dec tok/s':>9} {'cost/best (same)':>16} {'pages ok':>9}"
     )
     for r in rows:
         s = r["served_from"]
@@ -303,7 +317,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         )
         print(
             f"{r['variant']:>9} {r['tier']:>4} {r['storage']:>9} {r['policy']:>6} {r['req_per_s']:>8.2f} "
-            f"{r['req_per_s'] / base:>6.2f}x {r['ttft_ms_median']:>8.2f} {s['L1']:>3}/{s['L2']:>2}/{s['L3']:>2} "
+            f"{r['req_per_s'] / base:>6.2f}x {r['ttft_ms_median']:>8.2f} "
+            f"{s['recompute']:>4}/{s['L1']:>2}/{s['L2']:>2}/{s['L3']:>2} "
             f"{r['fallbacks']:>6} {ov:>7} {r['decode_tokens_per_s']:>9.1f} {cb:>16} "
             f"{r['restores_checked'] - r['page_mismatches']:>4}/{r['restores_checked']:<4}"
         )
@@ -336,26 +351,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     launch = st["layered_launch_s"] / st["layered_prefills"] * 1e3
                     print(f"    starting it: {launch:.1f} ms per layered prefill launch, the rest starts the copy")
     path = write_results(args.out, f"bench_hicache_stress-{args.model}", args.device, meta, rows, args.tag)
-    plot(rows, path, f"{args.model} on {device_name(args.device)}")
+    plot_stress(rows, json.loads(path.with_suffix(".json").read_text())["meta"], path)
     print(f"wrote {path}.json and .png")
     return rows
-
-
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['variant'][:4]} {r['tier']}\n{r['storage']} {r['policy']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(7, len(rows) * 0.9), 4))
-    ax.bar(range(len(rows)), [r["req_per_s"] for r in rows], color="tab:blue")
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylabel("requests / s")
-    ax.set_title(f"rotation throughput, {title}")
-    fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
-"""Shared by the end-to-end benchmarks: page fingerprints (the bit-identity gate), result
-files, device naming."""
+"""Shared by the benchmarks: where results go, what their JSON records about the run, page
+fingerprints (the bit-identity gate), and the timer of hicache's calls."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import json
+import os
+import platform
+import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from datetime import date
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +21,63 @@ import xxhash
 
 from hicache.engine import Engine, Output
 
-RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+CURATED = ROOT / "bench" / "results"  # the tracked set the docs cite; written only when asked
+
+
+def default_out() -> Path:
+    """Outside the repository unless asked: ``$HICACHE_BENCH_OUT`` or /tmp/hicache-bench."""
+    return Path(os.environ.get("HICACHE_BENCH_OUT", "/tmp/hicache-bench"))
+
+
+def add_out_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", type=Path, default=default_out(), help="directory for the JSON and PNG")
+    ap.add_argument("--tag", default=None, help="file name suffix (default: the device, e.g. h200 or cpu)")
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("torch", "triton", "transformers", "hicache"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    out["torch"] = torch.__version__  # the build actually imported (a CUDA or CPU wheel)
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, ``+dirty`` when it has changes to tracked files."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def engine_settings(engine: Engine) -> dict[str, Any]:
+    """What the engine actually runs with (a flag can ask for what the device cannot do)."""
+    runner = engine.runner
+    return {
+        "dtype": str(next(engine.net.parameters()).dtype),
+        "page_size": engine.page_size,
+        "cuda_graphs": runner.graphs_enabled,
+        "graph_short_prefills": runner.graph_short_prefills,
+        "attention": runner.attention,
+        "layered_restore": engine.layered,
+        "prefetch": engine.prefetch,
+        "transfer": {k: engine.cache.device.status()[k] for k in ("gather", "scatter")},
+    }
 
 
 def device_name(device: str) -> str:
@@ -117,9 +178,18 @@ class PageCheck:
 def write_results(
     out: Path, stem: str, device: str, meta: dict[str, Any], rows: list[dict[str, Any]], tag: str | None = None
 ) -> Path:
-    """``out/stem-DATE-TAG.json``; returns the path without suffix (for the PNG)."""
+    """``out/stem-DATE-TAG.json`` with the run's environment in ``meta``; returns the path
+    without suffix (for the PNG)."""
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"date": date.today().isoformat(), "device": device_name(device), **meta}
+    now = datetime.now(UTC)
+    meta = {
+        "date": now.date().isoformat(),
+        "time_utc": now.isoformat(timespec="seconds"),
+        "device": device_name(device),
+        "commit": git_commit(),
+        "versions": versions(),
+        **meta,
+    }
     path = out / f"{stem}-{meta['date']}-{tag or tag_of(device)}"
     path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     return path

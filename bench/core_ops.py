@@ -2,7 +2,7 @@
 
 Builds trees of growing size (prompts of 4,096 tokens, each branching off a random earlier
 prompt at a random page) at page sizes 1 and 16, and prints µs per operation and how it
-grows with the tree. Writes JSON + PNG under bench/results/.
+grows with the tree. Writes JSON + PNG under ``--out``.
 
     python bench/core_ops.py [--nodes 1000 3000 10000] [--page-sizes 1 16]
 """
@@ -15,9 +15,8 @@ import platform
 import random
 import statistics
 import time
-from datetime import date
-from pathlib import Path
 
+from common import add_out_args, write_results
 from tqdm import tqdm
 
 from hicache.core import CacheCore, TierSizes
@@ -33,7 +32,7 @@ def build(page_size: int, nodes: int, rng: random.Random) -> tuple[CacheCore, li
     budget = nodes // 2 * pages_per_prompt + pages_per_prompt
     core = CacheCore(page_size, TierSizes(l1_pages=budget, l2_pages=0, l3_pages=0))
     prompts: list[tuple[int, ...]] = []
-    with tqdm(total=nodes, desc=f"build ps={page_size}", unit="node", leave=False) as bar:
+    with tqdm(total=nodes, desc=f"build ps={page_size}", unit="node", leave=False, disable=None) as bar:
         while len(core.tree.nodes) - 1 < nodes:
             if prompts:
                 base = rng.choice(prompts)
@@ -100,9 +99,9 @@ def measure(page_size: int, nodes: int, seed: int = 0, reps: int = 200) -> dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nodes", type=int, nargs="+", default=[1000, 3000, 10000])
-    ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1000, 3000, 10000], help="tree sizes")
+    ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16], help="tokens per page")
+    add_out_args(ap)
     args = ap.parse_args()
     rows = [measure(ps, n) for ps in args.page_sizes for n in args.nodes]
     print(f"\ncore bookkeeping, {PROMPT}-token prompts, median µs per operation ({platform.processor() or 'cpu'})")
@@ -113,9 +112,9 @@ def main() -> None:
             f"{r['evict_us']:>8.1f} {r['check_integrity_ms']:>13.1f}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"core_ops-{date.today().isoformat()}-cpu"
-    meta = {"date": date.today().isoformat(), "machine": platform.platform(), "python": platform.python_version()}
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta = {"machine": platform.platform(), "processor": platform.processor() or None}
+    stem = write_results(args.out, "core_ops", "cpu", meta, rows, args.tag)
+    meta = json.loads(stem.with_suffix(".json").read_text())["meta"]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,8 +126,8 @@ def main() -> None:
             pts = [(r["nodes"], r[key]) for r in rows if r["page_size"] == ps]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"page size {ps}")
         ax.set_xscale("log")
-        ax.set_xlabel("tree nodes")
-        ax.set_title(key)
+        ax.set_xlabel("tree nodes (log scale)")
+        ax.set_title({"check_integrity_ms": "check_integrity (ms)"}.get(key, key.replace("_us", " (µs)")))
         ax.legend()
     fig.suptitle(f"hicache core bookkeeping ({PROMPT}-token prompts), {meta['date']}, CPU")
     fig.tight_layout()

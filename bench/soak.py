@@ -18,7 +18,6 @@ an error, a wrong page or a failed integrity check.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import ctypes
 import gc
@@ -26,17 +25,15 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, device_name, write_results
+from common import add_out_args, device_name, engine_settings, write_results
 from tqdm import tqdm
 
 from hicache.backends.faults import FaultKind
 from hicache.engine import Engine
-from hicache.engine.cli import add_engine_args, dtype_of, engine_from_args
-from hicache.engine.model import resolve_attention
+from hicache.engine.cli import ArgParser, FlagError, add_engine_args, dtype_of, engine_from_args, served_from
 
 FAULTS: list[tuple[FaultKind, str]] = [
     ("eio", "read"),
@@ -166,22 +163,21 @@ def resources(engine: Engine) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser("python bench/soak.py", __doc__)
     add_engine_args(ap)
     ap.add_argument("--requests", type=int, default=10_000, help="stop after this many (or --minutes)")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this long")
-    ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--concurrency", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=200, help="requests before the resource baseline")
+    ap.add_argument("--concurrency", type=int, default=6, help="requests in flight at once")
     ap.add_argument("--fault-rate", type=float, default=0.05, help="faults injected per request")
     ap.add_argument("--abort-rate", type=float, default=0.03, help="aborts per request")
-    ap.add_argument("--integrity-every", type=int, default=100)
+    ap.add_argument("--integrity-every", type=int, default=100, help="check_integrity() every N requests")
     ap.add_argument("--hot", type=int, default=3, help="shared prefixes drawn half the time")
     ap.add_argument("--rotating", type=int, default=24, help="prefixes drawn in rotation otherwise")
     ap.add_argument("--max-prefix-tokens", type=int, default=None, help="default: 200 on CPU, 2000 on CUDA")
     ap.add_argument("--sample-s", type=float, default=30.0, help="seconds between RSS samples")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--tag", default=None)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the workload, faults and aborts")
+    add_out_args(ap)
     ap.add_argument("--no-verify-pages", action="store_true", help="skip the per-page digests (for bisecting)")
     ap.set_defaults(num_pages=None)
     args = ap.parse_args(argv)
@@ -194,21 +190,25 @@ def main(argv: list[str] | None = None) -> int:
     per = -(-(max_prefix + 64) // ps)
     # L1 holds a few requests' worth, L2 about half the prefixes, L3 all of them (and more).
     l1 = args.num_pages or per * (args.concurrency + 4)
-    engine = engine_from_args(
-        args,
-        num_pages=l1,
-        enable_hicache=True,
-        l2_pages=per * (args.hot + args.rotating) // 2,
-        l3_pages=per * (args.hot + args.rotating) * 2,
-        verify_pages=not args.no_verify_pages,
-    )
+    try:
+        engine = engine_from_args(
+            args,
+            num_pages=l1,
+            enable_hicache=True,
+            l2_pages=per * (args.hot + args.rotating) // 2,
+            l3_pages=per * (args.hot + args.rotating) * 2,
+            verify_pages=not args.no_verify_pages,
+        )
+    except FlagError as exc:
+        ap.error(str(exc))
     vocab = int(engine.net.config.vocab_size)  # type: ignore[union-attr, arg-type]
     prefixes = [
         [rng.randrange(vocab) for _ in range(rng.randrange(ps, max_prefix))] for _ in range(args.hot + args.rotating)
     ]
     faults = engine.cache.faults
     counts = {"served": 0, "aborted": 0, "errors": 0, "faults_injected": 0, "restore_failed": 0}
-    by_source = {"L1": 0, "L2": 0, "L3": 0}
+    by_source = {"recompute": 0, "L1": 0, "L2": 0, "L3": 0}
+    settings = engine_settings(engine)
     deadline = None if args.minutes is None else time.monotonic() + 60 * args.minutes
     total = args.requests if deadline is None else 10**9
     baseline: dict[str, int] = {}
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             counts["served"] += 1
             counts["restore_failed"] += out.restore_failed
-            by_source[out.restored_from] += 1
+            by_source[served_from(out)] += 1
             if done % args.integrity_every == 0:
                 engine.cache.check_integrity()
                 integrity_checks += 1
@@ -378,9 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         "abort_rate": args.abort_rate,
         "max_prefix_tokens": max_prefix,
         "verify_pages": not args.no_verify_pages,
-        "transfer_backend": args.hicache_transfer_backend,
+        **settings,
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
-        "attention": resolve_attention(args.attention, args.device),
         "attention_cudnn": args.attention_cudnn,
     }
     path = write_results(args.out, f"soak-{args.model}", args.device, meta, [row], args.tag)

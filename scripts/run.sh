@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job: set up, then a short run of the end-to-end benchmarks — TTFT by tier
 # (recompute / L2 / L3) and throughput under prefix rotation — printing tables and writing
-# JSON + PNG under bench/results/. Without a GPU: the tiny model on CPU (about a minute);
-# with one: the Qwen3-8B shape in bf16. Extra arguments go to both benchmarks.
+# JSON + PNG to $HICACHE_BENCH_OUT (default /tmp/hicache-bench; the checkout stays clean).
+# Without a GPU: the tiny model on CPU (about a minute); with one: the Qwen3-8B shape in
+# bf16. Extra arguments go to both benchmarks (e.g. --out DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -1,29 +1,96 @@
-"""The latency benchmark on CPU (tiny model): its rows carry the host-time split that
-README's bookkeeping figures come from."""
+"""The end-to-end benchmarks on CPU (tiny model): what their JSON records, where it goes,
+and that a recompute is reported as one."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import common  # noqa: E402
+
+pytest.importorskip("transformers")
+
+
+def bench(script: str, *flags: str, out: Path) -> dict[str, object]:
+    cmd = [sys.executable, script, "--model", "tiny", "--device", "cpu", *flags, "--out", str(out), "--tag", "t"]
+    run = subprocess.run(cmd, cwd=ROOT / "bench", capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (result,) = out.glob(f"{Path(script).stem}-tiny-*-t.json")
+    assert result.with_suffix(".png").stat().st_size > 0
+    data: dict[str, object] = json.loads(result.read_text())
+    return data
 
 
 def test_latency_bench_splits_hicache_time_into_bookkeeping_and_issuing_copies(tmp_path: Path) -> None:
-    cmd = [sys.executable, "bench_hicache.py", "--model", "tiny", "--device", "cpu", "--prefix-tokens", "200"]
-    cmd += ["--iterations", "3", "--warmup", "1", "--no-clock-burst", "--out", str(tmp_path), "--tag", "t"]
-    run = subprocess.run(cmd, cwd=ROOT / "bench", capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    (result,) = tmp_path.glob("bench_hicache-tiny-*-t.json")
-    rows = {r["tier"]: r for r in json.loads(result.read_text())["rows"]}
+    """Rows carry the host-time split (bookkeeping + issuing copies = all hicache calls),
+    restored pages equal the pages as computed, and tier ``none`` is labelled recompute."""
+    data = bench("bench_hicache.py", "--prefix-tokens", "200", "--iterations", "3", "--warmup", "1", out=tmp_path)
+    rows = {r["tier"]: r for r in data["rows"]}  # type: ignore[attr-defined]
     assert set(rows) == {"none", "l2", "l3"}
     assert rows["none"]["transfer_issue_ms"] == 0  # without hicache nothing is copied
+    assert rows["none"]["sources"] == {"recompute": 6}  # 3 iterations x 2 prefixes
     for tier in ("l2", "l3"):
         r = rows[tier]
+        assert r["sources"] == {tier.upper(): 6}
         assert r["restores_checked"] > 0 and r["page_mismatches"] == 0
         assert r["transfer_issue_ms"] > 0 and r["cache_calls_ms"]["start_restore"] > 0
         calls = sum(r["cache_calls_ms"].values())
         assert abs(r["bookkeeping_ms"] + r["transfer_issue_ms"] - calls) < 1e-6
         assert r["transfer_issue_ms"] < calls <= r["cache_ms"] * 1.05  # the engine's own count, plus timer cost
+
+
+def test_result_meta_records_versions_commit_device_and_the_settings_as_run(tmp_path: Path) -> None:
+    """The JSON meta names torch/triton/transformers, the commit, the device and date, and
+    the settings the engine really ran with (no CUDA graphs on CPU, whatever the flags)."""
+    data = bench("bench_hicache.py", "--prefix-tokens", "48", "--iterations", "1", "--warmup", "0", out=tmp_path)
+    meta = data["meta"]
+    assert isinstance(meta, dict)
+    assert set(meta["versions"]) >= {"torch", "triton", "transformers", "python"}
+    assert meta["versions"]["torch"] == __import__("torch").__version__
+    assert meta["commit"] is None or len(meta["commit"].split("+")[0]) == 40
+    assert meta["device"] == "CPU" and len(meta["date"]) == 10
+    assert meta["cuda_graphs"] is False and meta["layered_restore"] is False and meta["attention"] == "gqa"
+
+
+def test_stress_bench_labels_recompute_and_draws_both_charts(tmp_path: Path) -> None:
+    """A small stress run: policy ``never`` and tier ``none`` serve every request by recompute
+    (not "L1"), ``always`` restores from its tier, and overlap/blocking rows are present."""
+    flags = ["--prefixes", "4", "--prefix-tokens", "64", "--requests", "8", "--l1-prefixes", "2"]
+    flags += ["--storage", "pagecache", "--decoders", "1", "--decode-tokens", "8", "--warmup-rotations", "1"]
+    data = bench("bench_hicache_stress.py", *flags, out=tmp_path)
+    rows = {(r["variant"], r["tier"], r["policy"]): r for r in data["rows"]}  # type: ignore[attr-defined]
+    assert rows[("rotation", "none", "-")]["served_from"]["recompute"] == 8
+    assert rows[("rotation", "l2", "never")]["served_from"]["recompute"] == 8
+    assert rows[("rotation", "l2", "always")]["served_from"]["L2"] == 8
+    assert rows[("rotation", "l3", "always")]["sources_in_order"] == "3" * 8
+    assert {v for v, _, _ in rows} == {"rotation", "overlap", "blocking"}
+    assert all(r["page_mismatches"] == 0 for r in rows.values())
+
+
+def test_results_go_outside_the_checkout_by_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without ``--out`` results go to $HICACHE_BENCH_OUT, else /tmp/hicache-bench: never
+    into the tracked tree."""
+    monkeypatch.delenv("HICACHE_BENCH_OUT", raising=False)
+    assert ROOT not in common.default_out().resolve().parents
+    monkeypatch.setenv("HICACHE_BENCH_OUT", str(tmp_path))
+    assert common.default_out() == tmp_path
+
+
+def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
+    """Every curated bench_hicache result's chart can be drawn again from its JSON."""
+    import plots
+
+    curated = sorted((ROOT / "bench" / "results").glob("bench_hicache*.json"))
+    assert curated
+    for src in curated:
+        shutil.copy(src, tmp_path / src.name)
+        plots.replot(tmp_path / src.name)
+        assert (tmp_path / src.name).with_suffix(".png").stat().st_size > 0

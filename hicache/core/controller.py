@@ -43,7 +43,7 @@ from typing import Any
 from hicache.core.cache import CacheCore
 from hicache.core.cost import CostModel, Plan
 from hicache.core.geometry import DevicePage
-from hicache.core.metrics import Metrics
+from hicache.core.metrics import Levels, Metrics
 from hicache.core.node import Lease, Node, Transfer
 from hicache.core.protocols import DeviceMover, PageVerifier, StorageMover, TicketLike
 from hicache.core.status import ControllerStatus
@@ -585,6 +585,7 @@ class Controller:
         stats.service_s += t.service_s
         stats.total_s += t.total_s
         stats.extents += job.ticket.extents
+        self.metrics.observe_transfer(d.name, t.total_s)
         self.cost.observe_transfer(d, job.ticket.nbytes, t.recurring_s)
 
     def _finish(self, job: _Job) -> PendingRestore | None:
@@ -654,10 +655,7 @@ class Controller:
         gained = restore.plan.tokens - req.cached_len
         req.lease, req.cached_len, req.pages = lease, restore.plan.tokens, list(pages)
         self._end_restore(restore, Outcome.DONE, None)
-        elapsed = time.perf_counter() - restore.started
-        self.metrics.restores += 1
-        self.metrics.restore_s += elapsed
-        self.metrics.restore_overlapped_s += min(restore.overlapped_s, elapsed)
+        self.metrics.observe_restore(time.perf_counter() - restore.started, restore.overlapped_s)
         self.metrics.hit_tokens[restore.plan.tier.name] += gained
 
     def _end_restore(self, restore: PendingRestore, outcome: Outcome, why: str | None) -> None:
@@ -695,8 +693,18 @@ class Controller:
         )
 
     def prometheus(self) -> str:
+        """The metrics in Prometheus text format: counters, latency histograms, and the
+        levels (free pages per tier, pending transfers, live requests) as gauges."""
         self._enter()
-        return self.metrics.prometheus({t.name: self.core.evictions[t] for t in Tier})
+        tiers = self.core.status().tiers
+        levels = Levels(
+            {t.tier: t.free for t in tiers},
+            {t.tier: t.capacity for t in tiers},
+            sum(1 for j in self._jobs.values() if j.restore is None),
+            sum(1 for j in self._jobs.values() if j.restore is not None),
+            len(self._requests),
+        )
+        return self.metrics.prometheus({t.name: self.core.evictions[t] for t in Tier}, levels=levels)
 
     def snapshot(self) -> Snapshot:
         """The core's snapshot plus every live request (what the request invariants see)."""

@@ -1,11 +1,52 @@
-"""Counters of DESIGN.md §8, JSON-serializable, with a Prometheus text exposition."""
+"""The cache's counters and latency histograms, JSON-serializable, with a Prometheus text
+exposition: counts as counters (``_total``), latencies as histograms, and levels (free
+pages, pending transfers, requests) as gauges when the caller passes them."""
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hicache.errors import ConfigError
 from hicache.spec.model import Direction
+
+# Seconds, from a restore of a few pages on a GPU to a cold multi-GiB read from disk.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+@dataclass
+class Histogram:
+    """Observations counted per upper bound (non-cumulative; the exposition accumulates)."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)  # one per bound, then +Inf
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if list(self.bounds) != sorted(set(self.bounds)):
+            raise ConfigError(f"histogram bounds must be increasing, got {self.bounds}")
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """``(le, count <= le)`` pairs ending with ``+Inf``, as Prometheus expects."""
+        out, running = [], 0
+        for le, n in zip([*map(str, self.bounds), "+Inf"], self.counts, strict=True):
+            running += n
+            out.append((le, float(running)))
+        return out
 
 
 @dataclass
@@ -26,6 +67,17 @@ class DirectionStats:
         return self.bytes / self.steady_s / 2**30 if self.steady_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class Levels:
+    """Point-in-time levels the owner of the metrics knows (exported as gauges)."""
+
+    free_pages: Mapping[str, int]  # per tier
+    capacity_pages: Mapping[str, int]  # per tier
+    pending_backups: int
+    pending_restores: int
+    requests: int  # admitted and not released
+
+
 @dataclass
 class Metrics:
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
@@ -40,6 +92,24 @@ class Metrics:
     verified_pages: int = 0  # pages whose digest was checked after a transfer (verify_pages)
     verify_failures: int = 0  # transfers failed because a page's digest differed
     directions: dict[str, DirectionStats] = field(default_factory=lambda: {d.name: DirectionStats() for d in Direction})
+    restore_seconds: Histogram = field(default_factory=Histogram)
+    transfer_seconds: dict[str, Histogram] = field(default_factory=lambda: {d.name: Histogram() for d in Direction})
+    ttft_seconds: Histogram = field(default_factory=Histogram)
+
+    def observe_restore(self, seconds: float, overlapped_s: float) -> None:
+        """A restore completed after ``seconds``, ``overlapped_s`` of them beside other work."""
+        self.restores += 1
+        self.restore_s += seconds
+        self.restore_overlapped_s += min(overlapped_s, seconds)
+        self.restore_seconds.observe(seconds)
+
+    def observe_transfer(self, direction: str, seconds: float) -> None:
+        """A transfer in ``direction`` completed, ``seconds`` from issue to seen completed."""
+        self.transfer_seconds[direction].observe(seconds)
+
+    def observe_ttft(self, seconds: float) -> None:
+        """A request's first token came ``seconds`` after it arrived (fed by the engine)."""
+        self.ttft_seconds.observe(seconds)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -47,53 +117,91 @@ class Metrics:
             out["directions"][name]["gib_per_s"] = stats.gib_per_s
         return out
 
-    def prometheus(self, evictions: dict[str, int], prefix: str = "hicache") -> str:
-        """The metrics in Prometheus text format (prometheus_client)."""
-        from prometheus_client import CollectorRegistry, Gauge, generate_latest
+    def prometheus(self, evictions: Mapping[str, int], prefix: str = "hicache", levels: Levels | None = None) -> str:
+        """The Prometheus text exposition (parses with prometheus_client's parser)."""
+        from prometheus_client import CollectorRegistry, generate_latest
 
-        reg = CollectorRegistry()
-
-        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(f"{prefix}_{name}", doc, labels, registry=reg)
-
-        g = gauge("hit_tokens", "Prompt tokens found per tier", ("tier",))
-        for tier, n in self.hit_tokens.items():
-            g.labels(tier).set(n)
-        g = gauge("evicted_pages", "Pages evicted per tier", ("tier",))
-        for tier, n in evictions.items():
-            g.labels(tier).set(n)
-        for name, doc in (
-            ("recomputed_tokens", "Tokens prefilled instead of restored"),
-            ("promotions", "L3 runs promoted to L2"),
-            ("fallbacks", "Restores that fell back to recompute"),
-            ("policy_skips", "Longer hits the policy chose not to restore"),
-            ("backups_skipped", "Write-through backups skipped for lack of room"),
-            ("restores", "Restores completed"),
-            ("restore_seconds", "End-to-end seconds of completed restores"),
-            ("restore_overlapped_seconds", "Restore seconds overlapped with decode"),
-            ("verified_pages", "Pages digest-checked after a transfer"),
-            ("verify_failures", "Transfers failed on a page digest mismatch"),
-        ):
-            attr = {"restore_seconds": "restore_s", "restore_overlapped_seconds": "restore_overlapped_s"}.get(
-                name, name
-            )
-            gauge(name, doc).set(getattr(self, attr))
-        per = {
-            "transfers": ("count", "Transfers completed"),
-            "transfers_failed": ("failed", "Transfers failed or cancelled"),
-            "transfer_bytes": ("bytes", "Bytes moved"),
-            "transfer_steady_seconds": ("steady_s", "Recurring transfer seconds"),
-            "transfer_queue_seconds": ("queue_s", "Seconds waiting before service"),
-            "transfer_service_seconds": ("service_s", "Kernel/DMA or I/O seconds"),
-            "transfer_enqueue_seconds": ("enqueue_s", "Seconds to issue transfers"),
-            "transfer_setup_seconds": ("setup_s", "One-time workspace setup seconds"),
-            "transfer_extents": ("extents", "L3 file extents"),
-        }
-        for name, (attr, doc) in per.items():
-            g = gauge(name, doc, ("direction",))
-            for d, stats in self.directions.items():
-                g.labels(d).set(getattr(stats, attr))
-        g = gauge("transfer_gib_per_second", "Steady bandwidth per direction", ("direction",))
-        for d, stats in self.directions.items():
-            g.labels(d).set(stats.gib_per_s)
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(_Collector(self, evictions, prefix, levels))
         return generate_latest(reg).decode()
+
+
+# name, help, Metrics attribute
+_COUNTERS = (
+    ("recomputed_tokens", "Prompt tokens prefilled instead of taken from a cache tier", "recomputed_tokens"),
+    ("promotions", "L3 runs promoted to L2", "promotions"),
+    ("fallbacks", "Restores that failed or could not start (the request recomputed)", "fallbacks"),
+    ("policy_skips", "Longer hits the policy chose not to restore", "policy_skips"),
+    ("backups_skipped", "Write-through backups skipped for lack of room", "backups_skipped"),
+    ("restores", "Restores completed", "restores"),
+    ("restore_overlapped_seconds", "Restore seconds overlapped with other work", "restore_overlapped_s"),
+    ("verified_pages", "Pages digest-checked after a transfer", "verified_pages"),
+    ("verify_failures", "Transfers failed on a page digest mismatch", "verify_failures"),
+)
+# name, help, DirectionStats attribute
+_DIRECTION_COUNTERS = (
+    ("transfers", "Transfers completed", "count"),
+    ("transfers_failed", "Transfers failed or cancelled", "failed"),
+    ("transfer_bytes", "Bytes moved", "bytes"),
+    ("transfer_steady_seconds", "Recurring transfer seconds (one-time setup excluded)", "steady_s"),
+    ("transfer_enqueue_seconds", "Seconds spent issuing transfers", "enqueue_s"),
+    ("transfer_setup_seconds", "One-time workspace setup seconds", "setup_s"),
+    ("transfer_queue_seconds", "Seconds waiting before service", "queue_s"),
+    ("transfer_service_seconds", "Kernel/DMA or file I/O seconds", "service_s"),
+    ("transfer_extents", "L3 file extents read or written", "extents"),
+)
+
+
+class _Collector:
+    """Reads a :class:`Metrics` (and optional levels) into prometheus_client's families."""
+
+    def __init__(self, m: Metrics, evictions: Mapping[str, int], prefix: str, levels: Levels | None) -> None:
+        self.m, self.evictions, self.prefix, self.levels = m, evictions, prefix, levels
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        p, m = self.prefix, self.m
+        c = CounterMetricFamily(f"{p}_hit_tokens", "Prompt tokens served from each tier", labels=["tier"])
+        for tier, n in m.hit_tokens.items():
+            c.add_metric([tier], n)
+        yield c
+        c = CounterMetricFamily(f"{p}_evicted_pages", "Pages evicted from each tier", labels=["tier"])
+        for tier, n in self.evictions.items():
+            c.add_metric([tier], n)
+        yield c
+        for name, doc, attr in _COUNTERS:
+            yield CounterMetricFamily(f"{p}_{name}", doc, value=getattr(m, attr))
+        for name, doc, attr in _DIRECTION_COUNTERS:
+            c = CounterMetricFamily(f"{p}_{name}", doc, labels=["direction"])
+            for d, stats in m.directions.items():
+                c.add_metric([d], getattr(stats, attr))
+            yield c
+        h = HistogramMetricFamily(f"{p}_restore_seconds", "Seconds from a restore's start to its publication")
+        h.add_metric([], m.restore_seconds.cumulative(), m.restore_seconds.sum)
+        yield h
+        h = HistogramMetricFamily(
+            f"{p}_transfer_seconds", "Seconds from issuing a transfer to seeing it complete", labels=["direction"]
+        )
+        for d, hist in m.transfer_seconds.items():
+            h.add_metric([d], hist.cumulative(), hist.sum)
+        yield h
+        h = HistogramMetricFamily(f"{p}_time_to_first_token_seconds", "Seconds from arrival to first token")
+        h.add_metric([], m.ttft_seconds.cumulative(), m.ttft_seconds.sum)
+        yield h
+        lv = self.levels
+        if lv is None:
+            return
+        for name, doc, values in (
+            ("free_pages", "Free pages per tier", lv.free_pages),
+            ("capacity_pages", "Pages per tier", lv.capacity_pages),
+        ):
+            g = GaugeMetricFamily(f"{p}_{name}", doc, labels=["tier"])
+            for tier, n in values.items():
+                g.add_metric([tier], n)
+            yield g
+        g = GaugeMetricFamily(f"{p}_pending_transfers", "Transfers in flight", labels=["kind"])
+        g.add_metric(["backup"], lv.pending_backups)
+        g.add_metric(["restore"], lv.pending_restores)
+        yield g
+        yield GaugeMetricFamily(f"{p}_requests", "Requests admitted and not released", value=lv.requests)

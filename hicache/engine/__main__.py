@@ -1,10 +1,12 @@
-"""Serve a synthetic workload with the reference engine and print what happened.
+"""Serve a synthetic workload with the reference engine and report what happened.
 
     python -m hicache.engine --enable-hicache --requests 200 --prefixes 8 --prefix-tokens 350
 
-Requests draw one of ``--prefixes`` shared prefixes (in rotation) plus a random suffix;
-``--concurrency`` of them are in flight at once. Prints throughput, TTFT, where cached
-tokens came from, and the cache's metrics.
+Request i is prefix i mod --prefixes plus a random suffix; --concurrency requests are in
+flight at once. The workload depends only on the flags and --seed (its digest is printed).
+Throughput and TTFT count served requests only; failed ones are listed by reason. Which
+tier served a request, and whether it found room, can vary between runs: restores finish
+asynchronously. Exit status: 0, 1 when every request failed, 2 on a bad flag.
 """
 
 from __future__ import annotations
@@ -12,59 +14,171 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
+import sys
 import time
+from collections import Counter
 
+import xxhash
 from tqdm import tqdm
 
-from hicache.engine.cli import add_engine_args, engine_from_args
-from hicache.engine.engine import Output
+from hicache.engine.cli import (
+    ArgParser,
+    FlagError,
+    add_engine_args,
+    engine_from_args,
+    given_flags,
+    ineffective_flags,
+    nonneg_int,
+    port,
+    positive_int,
+    served_from,
+    warn,
+)
+from hicache.engine.engine import Engine, Output
+from hicache.metrics_http import MetricsServer
+
+PUBLISH_EVERY_S = 0.5  # how stale /metrics may be while the workload runs
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> ArgParser:
+    ap = ArgParser(description=__doc__)
     add_engine_args(ap)
     w = ap.add_argument_group("workload")
-    w.add_argument("--requests", type=int, default=100)
-    w.add_argument("--prefixes", type=int, default=8)
-    w.add_argument("--prefix-tokens", type=int, default=350)
-    w.add_argument("--suffix-tokens", type=int, default=8)
-    w.add_argument("--max-new-tokens", type=int, default=4)
-    w.add_argument("--concurrency", type=int, default=4)
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--json", action="store_true", help="print the full status as JSON at the end")
-    args = ap.parse_args(argv)
-    engine = engine_from_args(args)
+    w.add_argument("--requests", type=positive_int, default=100, help="requests to serve")
+    w.add_argument("--prefixes", type=positive_int, default=8, help="distinct shared prefixes, used in rotation")
+    w.add_argument("--prefix-tokens", type=positive_int, default=350, help="tokens per shared prefix")
+    w.add_argument("--suffix-tokens", type=nonneg_int, default=8, help="random tokens after the prefix")
+    w.add_argument("--max-new-tokens", type=positive_int, default=4, help="tokens generated per request")
+    w.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once")
+    w.add_argument("--seed", type=int, default=0, help="seed of the workload (prompts)")
+    w.add_argument("--json", action="store_true", help="print the engine's full status as JSON at the end")
+    m = ap.add_argument_group("metrics")
+    m.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics while the workload runs")
+    m.add_argument(
+        "--metrics-port", type=port, default=0, help="port of http://127.0.0.1:PORT/metrics (0: any free port)"
+    )
+    return ap
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed)
-    vocab = int(engine.net.config.vocab_size)  # type: ignore[union-attr, arg-type]
     prefixes = [[rng.randrange(vocab) for _ in range(args.prefix_tokens)] for _ in range(args.prefixes)]
+    return [
+        prefixes[i % args.prefixes] + [rng.randrange(vocab) for _ in range(args.suffix_tokens)]
+        for i in range(args.requests)
+    ]
+
+
+def digest(prompts: list[list[int]]) -> str:
+    h = xxhash.xxh3_64()
+    for p in prompts:
+        h.update(json.dumps(p).encode())
+    return h.hexdigest()
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of a non-empty sorted list."""
+    return sorted_values[min(len(sorted_values) - 1, max(0, round(q * len(sorted_values) + 0.5) - 1))]
+
+
+def serve(
+    engine: Engine, prompts: list[list[int]], args: argparse.Namespace, server: MetricsServer | None
+) -> list[Output]:
     outs: list[Output] = []
-    t0 = time.perf_counter()
-    with tqdm(total=args.requests, desc="requests") as bar:
+    published = time.perf_counter()
+    with tqdm(total=len(prompts), desc="requests", disable=None) as bar:
         submitted = 0
-        while len(outs) < args.requests:
-            while submitted < args.requests and engine.pending < args.concurrency:
-                suffix = [rng.randrange(vocab) for _ in range(args.suffix_tokens)]
-                engine.submit(prefixes[submitted % args.prefixes] + suffix, args.max_new_tokens)
+        while len(outs) < len(prompts):
+            while submitted < len(prompts) and engine.pending < args.concurrency:
+                engine.submit(prompts[submitted], args.max_new_tokens)
                 submitted += 1
             done = engine.step()
             outs.extend(done)
             bar.update(len(done))
-    wall = time.perf_counter() - t0
-    engine.cache.drain()
-    engine.cache.check_integrity()
-    st = engine.status()
+            if server is not None and time.perf_counter() - published > PUBLISH_EVERY_S:
+                server.publish(engine.cache.prometheus())
+                published = time.perf_counter()
+    return outs
+
+
+def report(engine: Engine, outs: list[Output], wall: float) -> Counter[str]:
+    """Print the summary; returns the failure reasons, counted."""
+    ok = [o for o in outs if o.error is None]
+    failed = Counter(o.error for o in outs if o.error is not None)
+    print(f"\n{len(outs)} requests: {len(ok)} served, {sum(failed.values())} failed")
+    for reason, n in failed.most_common():
+        print(f"  failed {n}x: {reason}")
+    if ok:
+        ttft = sorted(o.ttft_s * 1e3 for o in ok)
+        print(f"throughput: {len(ok) / wall:.2f} req/s ({len(ok)} served in {wall:.2f} s)")
+        print(f"TTFT ms: median {percentile(ttft, 0.5):.2f}, p90 {percentile(ttft, 0.9):.2f}, max {ttft[-1]:.2f}")
+        sources = Counter(served_from(o) for o in ok)
+        print("prompt KV from:", ", ".join(f"{s} {sources[s]}" for s in ("recompute", "L1", "L2", "L3")))
     m = engine.cache.metrics
-    ttft = sorted(o.ttft_s for o in outs if o.error is None)
-    print(f"\n{args.requests} requests in {wall:.2f} s: {args.requests / wall:.2f} req/s")
-    print(f"TTFT ms: median {statistics.median(ttft) * 1e3:.2f}, p90 {ttft[int(0.9 * (len(ttft) - 1))] * 1e3:.2f}")
-    print("served from:", {s: sum(o.restored_from == s for o in outs) for s in ("L1", "L2", "L3")})
-    print("hit tokens:", dict(m.hit_tokens), "recomputed:", m.recomputed_tokens, "fallbacks:", m.fallbacks)
-    print("engine:", {k: round(v, 4) if isinstance(v, float) else v for k, v in engine.stats.__dict__.items()})
-    if args.json:
-        print(json.dumps(st, indent=1, default=str))
-    engine.close()
+    print(
+        "cached tokens by tier:",
+        ", ".join(f"{t} {n}" for t, n in m.hit_tokens.items()),
+        f"| recomputed {m.recomputed_tokens} | restores {m.restores}, fallbacks {m.fallbacks}",
+    )
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+    for message in ineffective_flags(args, given_flags(ap, argv)):
+        warn(message)
+    if args.metrics_port and not args.enable_metrics:
+        warn("--metrics-port has no effect without --enable-metrics")
+    need = -(-(args.prefix_tokens + args.suffix_tokens + args.max_new_tokens) // args.page_size)
+    if need > args.num_pages:
+        prompt = args.prefix_tokens + args.suffix_tokens
+        ap.error(
+            f"--num-pages {args.num_pages}: no room in L1 for a prompt of {prompt} tokens "
+            f"(with {args.max_new_tokens} new tokens it needs {need} pages of {args.page_size})"
+        )
+    try:
+        engine = engine_from_args(args)
+    except FlagError as exc:
+        ap.error(str(exc))
+    server = MetricsServer(args.metrics_port) if args.enable_metrics else None
+    try:
+        if server is not None:
+            try:
+                bound = server.start()
+            except OSError as exc:
+                ap.error(f"--metrics-port {args.metrics_port}: {exc.strerror or exc}")
+            print(f"metrics: http://127.0.0.1:{bound}/metrics", file=sys.stderr, flush=True)
+            server.publish(engine.cache.prometheus())
+        vocab = int(engine.net.config.vocab_size)  # type: ignore[union-attr, arg-type]
+        prompts = workload(args, vocab)
+        print(f"workload: {len(prompts)} requests, seed {args.seed}, digest {digest(prompts)}")
+        t0 = time.perf_counter()
+        outs = serve(engine, prompts, args, server)
+        wall = time.perf_counter() - t0
+        engine.cache.drain()
+        engine.cache.check_integrity()
+        if server is not None:
+            server.publish(engine.cache.prometheus())
+        failed = report(engine, outs, wall)
+        if args.json:
+            print(json.dumps(engine.status(), indent=1, default=str))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if server is not None:
+            server.stop()
+        engine.close()
+    if len(failed) and sum(failed.values()) == len(outs):
+        reasons = "; ".join(f"{reason} ({n})" for reason, n in failed.most_common())
+        print(f"error: all {len(outs)} requests failed: {reasons}", file=sys.stderr)
+        return 1
+    if failed:
+        warn(f"{sum(failed.values())} of {len(outs)} requests failed (listed above)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,35 +1,185 @@
-"""Engine flags in the seed's spirit, shared by ``python -m hicache.engine`` and the
-benchmarks. hicache is opt-in (``--enable-hicache``); tier sizes are given as a ratio of L1
-(``--hicache-ratio``, ``--hicache-storage-ratio``) or in GiB (``--hicache-size``,
-``--hicache-storage-size``, which win)."""
+"""Engine flags, shared by ``python -m hicache.engine`` and the benchmarks.
+
+hicache is opt-in (``--enable-hicache``); tier sizes are a ratio of L1 (``--hicache-ratio``,
+``--hicache-storage-ratio``) or GiB (``--hicache-size``, ``--hicache-storage-size``, which
+win). Flag names follow SGLang's where SGLang has the setting. :func:`engine_kwargs` is the
+one place flags become Engine settings; a bad value raises :class:`FlagError`, whose
+message is ``--flag VALUE: reason``.
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import inspect
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 
 from hicache.core.cost import CostPriors
-from hicache.engine.engine import Engine
+from hicache.engine.engine import Engine, Output
 from hicache.engine.model import PRESETS, build_model, kv_geometry
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, MisuseError
 
+PROG = "python -m hicache.engine"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORAGE_BACKENDS = ("file", "dir", "mooncake")
+# What --hicache-storage-backend-extra-config may hold (SGLang's Mooncake keys), and their types.
+EXTRA_CONFIG_KEYS: dict[str, tuple[type, ...]] = {
+    "master_server_address": (str,),
+    "metadata_server": (str,),
+    "protocol": (str,),
+    "local_hostname": (str,),
+    "global_segment_size": (int, str),
+    "local_buffer_size": (int, str),
+}
+
+
+class FlagError(ConfigError):
+    """A flag's value is unusable; the message reads ``--flag VALUE: reason``."""
+
+    def __init__(self, flag: str | None, value: object, reason: str) -> None:
+        super().__init__(f"{flag} {_show(value)}: {reason}" if flag else reason)
+        self.flag, self.value, self.reason = flag, value, reason
+
+
+def _show(value: object) -> str:
+    """``value`` as written on a command line (quoted when it holds spaces)."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    text = value if isinstance(value, str) else json.dumps(value) if isinstance(value, dict) else str(value)
+    return text if text and " " not in text else repr(text)
+
+
+# -- argument types: each failure reads "VALUE: reason" (ArgParser.error adds the flag) -----
+
+
+def _number(kind: Callable[[str], float], text: str, what: str) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_show(text)}: not {what}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{_show(text)}: not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(_number(int, text, "an integer"))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be an integer >= 1")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    value = int(_number(int, text, "an integer"))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be an integer >= 0")
+    return value
+
+
+def nonneg_float(text: str) -> float:
+    value = _number(float, text, "a number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(float, text, "a number")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be > 0")
+    return value
+
+
+def port(text: str) -> int:
+    value = int(_number(int, text, "an integer"))
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text}: must be a port in [0, 65535] (0: any free port)")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{_show(text)}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{_show(text)}: must be a JSON object ({{...}})")
+    for key, v in value.items():
+        if key not in EXTRA_CONFIG_KEYS:
+            known = ", ".join(EXTRA_CONFIG_KEYS)
+            raise argparse.ArgumentTypeError(f"{_show(text)}: unknown key {key!r} (known: {known})")
+        if not isinstance(v, EXTRA_CONFIG_KEYS[key]) or isinstance(v, bool):
+            want = " or ".join("a string" if t is str else "an integer" for t in EXTRA_CONFIG_KEYS[key])
+            raise argparse.ArgumentTypeError(f"{_show(text)}: {key} must be {want}, got {v!r}")
+    return value
+
+
+# -- the parser ----------------------------------------------------------------------------
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, every flag's default (unless None or False), and
+    short metavars (N, X, PORT, PATH)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        kinds = {positive_int: "N", nonneg_int: "N", int: "N", nonneg_float: "X", positive_float: "X", port: "PORT"}
+        return kinds.get(action.type, action.dest.rsplit("_", 1)[-1].upper())
+
+
+_CHOICE = re.compile(r"argument (\S+?)(?:/\S+)?: invalid choice: '?(.*?)'? \(choose from (.*)\)$")
+_ARGUMENT = re.compile(r"argument (\S+?)(?:/\S+)?: (.*)$")
+
+
+class ArgParser(argparse.ArgumentParser):
+    """Errors as one line, ``error: --flag VALUE: reason``, exit status 2."""
+
+    def __init__(self, prog: str = PROG, description: str | None = None) -> None:
+        super().__init__(prog=prog, description=description, formatter_class=_Formatter, allow_abbrev=False)
+
+    def error(self, message: str) -> NoReturn:
+        if m := _CHOICE.match(message):
+            choices = m[3].replace("'", "")
+            message = f"{m[1]} {_show(m[2])}: invalid choice (choose from {choices})"
+        elif m := _ARGUMENT.match(message):
+            flag, reason = m[1], m[2]
+            reason = re.sub(r"^invalid \w+ value: '(.*)'$", r"\1: invalid value", reason)
+            message = f"{flag}: {reason}" if reason.startswith("expected") else f"{flag} {reason}"
+        self.exit(2, f"error: {message}\n")
+
+
+def given_flags(ap: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The ``dest`` of every flag written in ``argv`` (``--flag value`` or ``--flag=value``)."""
+    actions = ap._option_string_actions
+    return {actions[t.split("=", 1)[0]].dest for t in argv if t.split("=", 1)[0] in actions}
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     cuda = torch.cuda.is_available()
     g = ap.add_argument_group("engine")
+    presets = ", ".join(sorted(PRESETS))
     g.add_argument(
-        "--model", default="qwen3-8b" if cuda else "tiny", help=f"{sorted(PRESETS)} or a local checkpoint dir"
+        "--model",
+        default="qwen3-8b" if cuda else "tiny",
+        help=f"a preset ({presets}; random weights, nothing is downloaded) or a local checkpoint directory",
     )
-    g.add_argument("--device", default="cuda" if cuda else "cpu")
+    g.add_argument("--device", default="cuda" if cuda else "cpu", help="torch device: cpu, cuda or cuda:N")
     g.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bfloat16 on CUDA, else float32")
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--num-pages", type=int, default=4096, help="L1 pages (the GPU page pool)")
-    g.add_argument("--max-batch", type=int, default=32, help="requests running at once")
-    g.add_argument("--disable-cuda-graph", action="store_true", help="run small batches eagerly too")
+    g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    g.add_argument("--num-pages", type=positive_int, default=4096, help="L1 pages (the GPU page pool)")
+    g.add_argument("--max-batch", type=positive_int, default=32, help="requests running at once")
+    g.add_argument("--disable-cuda-graph", action="store_true", help="run small batches eagerly too (CUDA only)")
     g.add_argument(
         "--cuda-graph-short-prefills",
         choices=["auto", "on", "off"],
@@ -37,7 +187,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         const="on",
         default="auto",
         help="prefills without cached context of at most 64 tokens replay CUDA graphs too; "
-        "auto (default): whenever CUDA graphs are on; off: they run eagerly",
+        "auto: whenever CUDA graphs are on; off: they run eagerly (CUDA only)",
     )
     g.add_argument(
         "--attention",
@@ -50,41 +200,100 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         "--attention-cudnn",
         choices=["off", "graphs", "on"],
         default="off",
-        help="cuDNN's SDPA backend: off (it holds memory per shape), only in CUDA-graph captures, or on",
+        help="cuDNN's SDPA backend: off (it holds host memory per shape), only inside CUDA-graph captures, "
+        "or on (CUDA only)",
     )
     h = ap.add_argument_group("hicache")
-    h.add_argument("--enable-hicache", action="store_true", help="L2/L3 behind the L1 prefix cache")
-    h.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 pages per L1 page")
-    h.add_argument("--hicache-size", type=float, default=None, help="L2 size in GiB (overrides the ratio)")
-    h.add_argument("--hicache-storage-ratio", type=float, default=0.0, help="L3 pages per L1 page (0: no L3)")
-    h.add_argument("--hicache-storage-size", type=float, default=None, help="L3 size in GiB (overrides the ratio)")
-    h.add_argument("--hicache-storage-path", default=None, help="L3 file (default: an unnamed temporary file)")
-    h.add_argument("--hicache-storage-direct", action="store_true", help="O_DIRECT L3 I/O (bypass the page cache)")
-    h.add_argument("--hicache-transfer-backend", choices=["auto", "triton", "torch"], default="auto")
-    h.add_argument("--hicache-policy", choices=["cost", "always", "never"], default="cost")
+    h.add_argument("--enable-hicache", action="store_true", help="L2 (host memory) and L3 (storage) behind L1")
+    h.add_argument("--hicache-ratio", type=nonneg_float, default=2.0, help="L2 pages per L1 page")
+    h.add_argument(
+        "--hicache-size", type=nonneg_float, default=None, metavar="GIB", help="L2 size in GiB (overrides the ratio)"
+    )
+    h.add_argument("--hicache-storage-ratio", type=nonneg_float, default=0.0, help="L3 pages per L1 page (0: no L3)")
+    h.add_argument(
+        "--hicache-storage-size",
+        type=nonneg_float,
+        default=None,
+        metavar="GIB",
+        help="L3 size in GiB (overrides the ratio)",
+    )
+    h.add_argument(
+        "--hicache-storage-backend",
+        choices=STORAGE_BACKENDS,
+        default="file",
+        help="L3 store: file (one preallocated file), dir (a file per page run under a directory), "
+        "mooncake (a Mooncake store; see the extra config)",
+    )
+    h.add_argument(
+        "--hicache-storage-backend-extra-config",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help=f"a JSON object for the storage backend; keys: {', '.join(EXTRA_CONFIG_KEYS)}",
+    )
+    h.add_argument(
+        "--hicache-storage-path",
+        default=None,
+        help="L3 file (backend file) or directory (backend dir); default: an unnamed temporary file",
+    )
+    h.add_argument(
+        "--hicache-storage-direct", action="store_true", help="O_DIRECT L3 I/O, bypassing the page cache (file)"
+    )
+    h.add_argument(
+        "--hicache-transfer-backend",
+        choices=["auto", "triton", "torch"],
+        default="auto",
+        help="L1 <-> L2 copy kernels; auto: Triton where it runs",
+    )
+    h.add_argument(
+        "--hicache-policy",
+        choices=["cost", "always", "never"],
+        default="cost",
+        help="restore a longer L2/L3 hit: when the cost model says it beats recompute, always, or never",
+    )
     h.add_argument(
         "--hicache-write-policy",
         choices=["write_through", "write_through_selective", "write_back"],
         default="write_through",
+        help="when L1 pages are backed up to L2: at once, once reused, or on eviction",
     )
-    h.add_argument("--hicache-verify-pages", action="store_true", help="digest-check every moved page (slow)")
-    h.add_argument("--disable-hicache-prefetch", action="store_true", help="blocking restores (no overlap loop)")
+    h.add_argument(
+        "--hicache-verify-pages", action="store_true", help="digest-check every moved page (slow; for debugging)"
+    )
+    h.add_argument(
+        "--disable-hicache-prefetch", action="store_true", help="blocking restores (no overlap with other work)"
+    )
     h.add_argument(
         "--hicache-layered-restore",
         choices=["auto", "on", "off"],
         default="auto",
-        help="start an L2 restore's prefill at once, each layer waiting only for its own pages to land; "
-        "auto (default): on with CUDA and cuda-python, off elsewhere and with --disable-hicache-prefetch",
+        help="start an L2 restore's prefill at once, each layer waiting only for its own pages (CUDA only); "
+        "auto: on with CUDA and cuda-python",
     )
     d = CostPriors()
-    h.add_argument("--hicache-prior-recompute-us", type=float, default=d.recompute_s_per_token * 1e6)
-    h.add_argument("--hicache-prior-host-gib-s", type=float, default=d.host_gib_s)
-    h.add_argument("--hicache-prior-storage-gib-s", type=float, default=d.storage_read_gib_s)
+    h.add_argument(
+        "--hicache-prior-recompute-us",
+        type=positive_float,
+        default=d.recompute_s_per_token * 1e6,
+        help="cost policy: prior microseconds to recompute one token (learned as requests run)",
+    )
+    h.add_argument(
+        "--hicache-prior-host-gib-s",
+        type=positive_float,
+        default=d.host_gib_s,
+        help="cost policy: prior L2 -> L1 GiB/s",
+    )
+    h.add_argument(
+        "--hicache-prior-storage-gib-s",
+        type=positive_float,
+        default=d.storage_read_gib_s,
+        help="cost policy: prior L3 read GiB/s",
+    )
     h.add_argument(
         "--hicache-explore",
-        type=int,
+        type=nonneg_int,
         default=d.explore,
-        help="restores tried per source before the cost priors alone may rule it out (0: never)",
+        help="cost policy: restores tried per source before the priors alone may rule it out (0: never)",
     )
 
 
@@ -94,24 +303,112 @@ def dtype_of(args: argparse.Namespace) -> torch.dtype:
     return DTYPES[args.dtype]
 
 
-def pages_of(ratio: float, gib: float | None, l1_pages: int, bytes_per_page: int) -> int:
+def _tier_pages(args: argparse.Namespace, tier: str, l1_pages: int, bytes_per_page: int) -> tuple[int, str]:
+    """Pages of L2 or L3 per the flags, and the flag that set it."""
+    size_flag, ratio_flag = (
+        ("hicache_size", "hicache_ratio") if tier == "L2" else ("hicache_storage_size", "hicache_storage_ratio")
+    )
+    gib = getattr(args, size_flag)
     if gib is not None:
-        if gib < 0:
-            raise ConfigError(f"a tier size must be >= 0 GiB, got {gib}")
-        return int(gib * 2**30 // bytes_per_page)
-    if ratio < 0:
-        raise ConfigError(f"a tier ratio must be >= 0, got {ratio}")
-    return int(ratio * l1_pages)
+        pages = int(gib * 2**30 // bytes_per_page)
+        if gib > 0 and pages == 0:
+            flag = "--" + size_flag.replace("_", "-")
+            size = f"{bytes_per_page / 2**10:g} KiB" if bytes_per_page < 2**20 else f"{bytes_per_page / 2**20:g} MiB"
+            raise FlagError(flag, gib, f"less than one {tier} page ({size})")
+        return pages, size_flag
+    return int(getattr(args, ratio_flag) * l1_pages), ratio_flag
 
 
-def engine_from_args(args: argparse.Namespace, net: torch.nn.Module | None = None, **overrides: Any) -> Engine:
-    """An :class:`Engine` per the flags (``overrides`` win over them)."""
-    dtype = dtype_of(args)
-    if net is None:
-        net = build_model(args.model, device=args.device, dtype=dtype)
+def ineffective_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
+    """Warnings for flags written in ``given`` that change nothing with the other flags."""
+    out: list[str] = []
+    cpu = not str(args.device).startswith("cuda")
+    flag = {d: "--" + d.replace("_", "-") for d in given}
+    hicache = sorted(d for d in given if d.startswith("hicache_") or d == "disable_hicache_prefetch")
+    if not args.enable_hicache:
+        out += [f"{flag[d]} has no effect without --enable-hicache" for d in hicache]
+    else:
+        size, ratio = args.hicache_storage_size, args.hicache_storage_ratio
+        no_l3 = size == 0 or (size is None and ratio == 0)
+        l3_flags = (
+            "hicache_storage_path",
+            "hicache_storage_direct",
+            "hicache_storage_backend",
+            "hicache_storage_backend_extra_config",
+        )
+        if no_l3:
+            out += [
+                f"{flag[d]} has no effect without --hicache-storage-size or --hicache-storage-ratio > 0"
+                for d in l3_flags
+                if d in given
+            ]
+        for size, ratio in (("hicache_size", "hicache_ratio"), ("hicache_storage_size", "hicache_storage_ratio")):
+            if size in given and ratio in given:
+                out.append(f"{flag[ratio]} has no effect with {flag[size]} (the size wins)")
+        if not no_l3 and args.hicache_storage_backend != "mooncake" and "hicache_storage_backend_extra_config" in given:
+            out.append(
+                "--hicache-storage-backend-extra-config has no effect without --hicache-storage-backend mooncake"
+            )
+        if not no_l3 and args.hicache_storage_backend != "file" and "hicache_storage_direct" in given:
+            out.append("--hicache-storage-direct has no effect without --hicache-storage-backend file")
+        if not no_l3 and args.hicache_storage_backend == "mooncake" and "hicache_storage_path" in given:
+            out.append("--hicache-storage-path has no effect with --hicache-storage-backend mooncake")
+        if args.hicache_policy != "cost":
+            out += [
+                f"{flag[d]} has no effect without --hicache-policy cost"
+                for d in hicache
+                if d.startswith("hicache_prior_") or d == "hicache_explore"
+            ]
+        if cpu and args.hicache_layered_restore == "on":
+            out.append("--hicache-layered-restore on has no effect on CPU (it needs CUDA)")
+    if cpu:
+        out += [
+            f"{flag[d]} has no effect on CPU"
+            for d in ("disable_cuda_graph", "cuda_graph_short_prefills", "attention_cudnn")
+            if d in given
+        ]
+    return out
+
+
+def check_device(args: argparse.Namespace) -> None:
+    """Raise :class:`FlagError` unless ``--device`` names a device this torch can use."""
+    try:
+        dev = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        raise FlagError("--device", args.device, "not a torch device (cpu, cuda or cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise FlagError("--device", args.device, "the engine runs on cpu or cuda")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+            raise FlagError("--device", args.device, f"{why} (torch {torch.__version__}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise FlagError("--device", args.device, f"only {torch.cuda.device_count()} CUDA device(s) visible")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """What can be judged from the flags alone, before a model is built."""
+    check_device(args)
+    if args.model not in PRESETS and not Path(args.model).is_dir():
+        raise FlagError("--model", args.model, f"not a preset ({', '.join(sorted(PRESETS))}) nor a local directory")
+    path = args.hicache_storage_path
+    if path is not None and args.enable_hicache:
+        p = Path(path)
+        if args.hicache_storage_backend == "dir":
+            if p.exists() and not p.is_dir():
+                raise FlagError("--hicache-storage-path", path, "not a directory (backend dir)")
+        elif p.is_dir():
+            raise FlagError("--hicache-storage-path", path, "is a directory; give a file path (backend file)")
+        if not p.parent.is_dir():
+            raise FlagError("--hicache-storage-path", path, f"directory {p.parent} does not exist")
+
+
+def engine_kwargs(args: argparse.Namespace, net: torch.nn.Module, **overrides: Any) -> dict[str, Any]:
+    """The :class:`Engine` keyword arguments the flags mean (``overrides`` win; L2/L3 sizes
+    follow an overridden ``num_pages`` / ``page_size``). Raises :class:`FlagError`."""
     kw: dict[str, Any] = dict(
         device=args.device,
-        dtype=dtype,
+        dtype=dtype_of(args),
         page_size=args.page_size,
         num_pages=args.num_pages,
         max_batch=args.max_batch,
@@ -135,9 +432,107 @@ def engine_from_args(args: argparse.Namespace, net: torch.nn.Module | None = Non
             explore=args.hicache_explore,
         ),
     )
+    # Only when not the default: an Engine without these keywords still runs the default.
+    if args.hicache_storage_backend != "file":
+        kw["storage_backend"] = args.hicache_storage_backend
+    if args.hicache_storage_backend_extra_config is not None:
+        kw["storage_extra"] = args.hicache_storage_backend_extra_config
     kw.update(overrides)
     if "l2_pages" not in kw or "l3_pages" not in kw:
         bpp = kv_geometry(net, kw["page_size"]).bytes_per_page
-        kw.setdefault("l2_pages", pages_of(args.hicache_ratio, args.hicache_size, kw["num_pages"], bpp))
-        kw.setdefault("l3_pages", pages_of(args.hicache_storage_ratio, args.hicache_storage_size, kw["num_pages"], bpp))
-    return Engine(args.model, net=net, **kw)
+        if "l2_pages" not in kw:
+            kw["l2_pages"], source = _tier_pages(args, "L2", kw["num_pages"], bpp)
+            if kw["enable_hicache"] and kw["l2_pages"] == 0:
+                flag = "--" + source.replace("_", "-")
+                raise FlagError(flag, getattr(args, source), "L2 would have no pages; --enable-hicache needs L2")
+        if "l3_pages" not in kw:
+            kw["l3_pages"] = _tier_pages(args, "L3", kw["num_pages"], bpp)[0]
+    return kw
+
+
+# Engine keywords passed only when not default, and their flags.
+_OPTIONAL_SETTINGS = (
+    ("storage_backend", "hicache_storage_backend"),
+    ("storage_extra", "hicache_storage_backend_extra_config"),
+)
+# Engine keyword / config field -> the flag that sets it, for errors raised inside Engine.
+_SETTING_FLAGS: tuple[tuple[str, str], ...] = (
+    ("L3 path", "hicache_storage_path"),
+    ("L3 needs L2", "hicache_ratio"),
+    ("L3", "hicache_storage_ratio"),
+    ("storage_extra", "hicache_storage_backend_extra_config"),
+    ("extra config", "hicache_storage_backend_extra_config"),
+    ("storage_backend", "hicache_storage_backend"),
+    ("storage backend", "hicache_storage_backend"),
+    ("l1_pages", "num_pages"),
+    ("num_pages", "num_pages"),
+    ("l2_pages", "hicache_ratio"),
+    ("l3_pages", "hicache_storage_ratio"),
+    ("page_size", "page_size"),
+    ("max_batch", "max_batch"),
+    ("write_policy", "hicache_write_policy"),
+    ("transfer_backend", "hicache_transfer_backend"),
+    ("layered_restore", "hicache_layered_restore"),
+    ("policy", "hicache_policy"),
+    ("cudnn", "attention_cudnn"),
+    ("attention", "attention"),
+    ("explore", "hicache_explore"),
+    ("model", "model"),
+)
+_READABLE = {  # longest first
+    "layered_restore needs prefetch": "a layered restore needs prefetch, which --disable-hicache-prefetch turns off",
+    "l1_pages": "L1 pages (--num-pages)",
+    "num_pages": "L1 pages (--num-pages)",
+    "l2_pages": "L2 pages",
+    "l3_pages": "L3 pages",
+    "page_size": "--page-size",
+    "max_batch": "--max-batch",
+    "enable_hicache": "--enable-hicache",
+    "layered_restore": "--hicache-layered-restore",
+}
+
+
+def flag_error(exc: ConfigError | MisuseError, args: argparse.Namespace) -> FlagError:
+    """``exc`` (raised while building an engine) as the flag it came from."""
+    if isinstance(exc, FlagError):
+        return exc
+    message = str(exc)
+    dest = next((d for key, d in _SETTING_FLAGS if key in message), None)
+    # a ratio-or-size pair: name the one that was used
+    sized = {"hicache_ratio": "hicache_size", "hicache_storage_ratio": "hicache_storage_size"}
+    if dest in sized and getattr(args, sized[dest]) is not None:
+        dest = sized[dest]
+    for name, readable in _READABLE.items():
+        message = re.sub(rf"\b{re.escape(name)}\b", readable, message)
+    if dest is None:
+        return FlagError(None, None, message)
+    return FlagError("--" + dest.replace("_", "-"), getattr(args, dest), message)
+
+
+def engine_from_args(args: argparse.Namespace, net: torch.nn.Module | None = None, **overrides: Any) -> Engine:
+    """An :class:`Engine` per the flags (``overrides`` win over them). Raises
+    :class:`FlagError` naming the flag behind any configuration error."""
+    try:
+        _check_flags(args)
+        if net is None:
+            net = build_model(args.model, device=args.device, dtype=dtype_of(args))
+        kw = engine_kwargs(args, net, **overrides)
+        accepted = inspect.signature(Engine).parameters
+        for key, dest in _OPTIONAL_SETTINGS:
+            if key in kw and key not in accepted:
+                raise FlagError("--" + dest.replace("_", "-"), getattr(args, dest), "not supported by this engine yet")
+        return Engine(args.model, net=net, **kw)
+    except (ConfigError, MisuseError) as exc:
+        raise flag_error(exc, args) from exc
+
+
+def served_from(out: Output) -> str:
+    """Where a request's prompt KV came from: ``L2``/``L3`` (restored), ``L1`` (a prefix
+    hit, the rest prefilled), or ``recompute`` (nothing cached)."""
+    if out.restored_from in ("L2", "L3") and not out.restore_failed:
+        return out.restored_from
+    return "L1" if out.cached_tokens else "recompute"
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)

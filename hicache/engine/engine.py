@@ -527,6 +527,7 @@ class Engine:
         self.stats.prefill_s += now - t0
         seq.prefill_s = now - t0
         seq.ttft = now - seq.arrived
+        self.cache.metrics.observe_ttft(seq.ttft)
         seq.first_logits = logits.float().cpu()
         seq.cached = req.cached_len
         aligned = len(prompt) - len(prompt) % ps

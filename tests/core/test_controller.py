@@ -336,7 +336,7 @@ def test_status_and_prometheus() -> None:
     assert st["metrics"]["directions"]["D2H"]["count"] == 1
     assert set(st["cost_model"]) >= {"policy", "recompute", "H2D", "S2H"}
     text = c.prometheus()
-    assert 'hicache_transfers{direction="D2H"} 1.0' in text
+    assert 'hicache_transfers_total{direction="D2H"} 1.0' in text
     assert "hicache_hit_tokens" in text
     c.release(req)
     c.close()

@@ -1,0 +1,296 @@
+"""``python -m hicache.engine``: one-line errors naming the flag, warnings for flags that do
+nothing, failed requests reported apart from the figures, a deterministic workload."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from hicache.engine import __main__ as cli_main
+from hicache.engine.cli import ineffective_flags
+from hicache.engine.engine import Engine, Output
+from hicache.metrics_http import MetricsServer
+
+pytest.importorskip("transformers")
+
+SMALL = ["--requests", "2", "--prefix-tokens", "20", "--suffix-tokens", "2", "--max-new-tokens", "1"]
+PRESETS = "llama-tiny, qwen3-4b, qwen3-8b, tiny"
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of ``main(argv)``."""
+    try:
+        code = cli_main.main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """(argv, the one line expected on stderr) for bad input."""
+    missing = tmp_path / "no-such-dir" / "l3.bin"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    l3 = ["--enable-hicache", "--hicache-storage-ratio", "1"]
+    return [
+        (
+            ["--num-pages", "10"],
+            "error: --num-pages 10: no room in L1 for a prompt of 358 tokens "
+            "(with 4 new tokens it needs 23 pages of 16)",
+        ),
+        (["--num-pages", "0"], "error: --num-pages 0: must be an integer >= 1"),
+        (["--num-pages", "-5"], "error: --num-pages -5: must be an integer >= 1"),
+        (["--num-pages", "abc"], "error: --num-pages abc: not an integer"),
+        (["--num-pages", "1.5"], "error: --num-pages 1.5: not an integer"),
+        (["--num-pages"], "error: --num-pages: expected one argument"),
+        (["--page-size", "0"], "error: --page-size 0: must be an integer >= 1"),
+        (["--max-batch", "0"], "error: --max-batch 0: must be an integer >= 1"),
+        (["--requests", "0"], "error: --requests 0: must be an integer >= 1"),
+        (["--concurrency", "-1"], "error: --concurrency -1: must be an integer >= 1"),
+        (["--suffix-tokens", "-1"], "error: --suffix-tokens -1: must be an integer >= 0"),
+        (["--hicache-ratio", "-1"], "error: --hicache-ratio -1: must be >= 0"),
+        (["--hicache-size", "nan"], "error: --hicache-size nan: not a finite number"),
+        (["--hicache-storage-size", "lots"], "error: --hicache-storage-size lots: not a number"),
+        (["--hicache-prior-host-gib-s", "0"], "error: --hicache-prior-host-gib-s 0: must be > 0"),
+        (["--dtype", "float8"], "error: --dtype float8: invalid choice (choose from auto, float32, bfloat16, float16)"),
+        (
+            ["--hicache-storage-backend", "s3"],
+            "error: --hicache-storage-backend s3: invalid choice (choose from file, dir, mooncake)",
+        ),
+        (
+            ["--hicache-policy", "sometimes"],
+            "error: --hicache-policy sometimes: invalid choice (choose from cost, always, never)",
+        ),
+        (["--metrics-port", "70000"], "error: --metrics-port 70000: must be a port in [0, 65535] (0: any free port)"),
+        (
+            ["--hicache-storage-backend-extra-config", "{bad"],
+            "error: --hicache-storage-backend-extra-config {bad: not valid JSON "
+            "(Expecting property name enclosed in double quotes at column 2)",
+        ),
+        (
+            ["--hicache-storage-backend-extra-config", "[1]"],
+            "error: --hicache-storage-backend-extra-config [1]: must be a JSON object ({...})",
+        ),
+        (
+            ["--hicache-storage-backend-extra-config", '{"master": 1}'],
+            "error: --hicache-storage-backend-extra-config '{\"master\": 1}': unknown key 'master' (known: "
+            "master_server_address, metadata_server, protocol, local_hostname, global_segment_size, "
+            "local_buffer_size)",
+        ),
+        (
+            ["--hicache-storage-backend-extra-config", '{"protocol":5}'],
+            'error: --hicache-storage-backend-extra-config {"protocol":5}: protocol must be a string, got 5',
+        ),
+        (["--frobnicate"], "error: unrecognized arguments: --frobnicate"),
+        (["--hicache-rat", "2"], "error: unrecognized arguments: --hicache-rat 2"),
+        (["--model", "nosuch"], f"error: --model nosuch: not a preset ({PRESETS}) nor a local directory"),
+        (["--device", "banana"], "error: --device banana: not a torch device (cpu, cuda or cuda:N)"),
+        (["--device", "meta"], "error: --device meta: the engine runs on cpu or cuda"),
+        (
+            [*l3, "--hicache-storage-path", str(missing)],
+            f"error: --hicache-storage-path {missing}: directory {missing.parent} does not exist",
+        ),
+        (
+            [*l3, "--hicache-storage-path", str(tmp_path)],
+            f"error: --hicache-storage-path {tmp_path}: is a directory; give a file path (backend file)",
+        ),
+        (
+            [*l3, "--hicache-storage-backend", "dir", "--hicache-storage-path", str(a_file)],
+            f"error: --hicache-storage-path {a_file}: not a directory (backend dir)",
+        ),
+        (
+            ["--enable-hicache", "--hicache-ratio", "0"],
+            "error: --hicache-ratio 0: L2 would have no pages; --enable-hicache needs L2",
+        ),
+        (
+            ["--enable-hicache", "--hicache-size", "0"],
+            "error: --hicache-size 0: L2 would have no pages; --enable-hicache needs L2",
+        ),
+        (
+            [*l3, "--hicache-storage-size", "1e-9"],
+            "error: --hicache-storage-size 1e-09: less than one L3 page (8 KiB)",
+        ),
+        (
+            ["--enable-hicache", "--disable-hicache-prefetch", "--hicache-layered-restore", "on"],
+            "error: --hicache-layered-restore on: a layered restore needs prefetch, which "
+            "--disable-hicache-prefetch turns off (a blocking restore has no forward to overlap)",
+        ),
+    ]
+
+
+def test_bad_input_catalogue_one_line_naming_the_flag_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every bad input exits 2 with exactly one stderr line, ``error: --flag VALUE: reason``,
+    and nothing on stdout (no traceback, no half-run)."""
+    for argv, expected in catalogue(tmp_path):
+        code, out, err = run_main(argv, capsys)
+        lines = [ln for ln in err.splitlines() if not ln.startswith("warning: ")]
+        assert (code, lines, out) == (2, [expected], ""), argv
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA devices")
+def test_cuda_device_on_a_cpu_only_torch_is_a_flag_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--device cuda`` without CUDA names the flag and the torch build, exit 2."""
+    code, _, err = run_main(["--device", "cuda"], capsys)
+    why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+    assert code == 2
+    assert err == f"error: --device cuda: {why} (torch {torch.__version__}); use --device cpu\n"
+
+
+def test_as_a_module_bad_input_prints_one_line_and_no_traceback() -> None:
+    """The real entry point: ``python -m hicache.engine`` with a bad flag exits 2 with one line."""
+    run = subprocess.run(
+        [sys.executable, "-m", "hicache.engine", "--num-pages", "0"], capture_output=True, text=True, timeout=120
+    )
+    assert (run.returncode, run.stdout, run.stderr) == (2, "", "error: --num-pages 0: must be an integer >= 1\n")
+
+
+def test_help_names_the_module_shows_defaults_and_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help``: prog is ``python -m hicache.engine``, defaults are shown, no flag lacks help."""
+    ap = cli_main.parser()
+    undocumented = [a.option_strings for a in ap._actions if not (a.help and a.help.strip())]
+    assert undocumented == []
+    code, out, _ = run_main(["--help"], capsys)
+    assert code == 0 and out.startswith("usage: python -m hicache.engine ")
+    assert "(default: 4096)" in out and "(default: file)" in out
+
+
+def args_of(argv: list[str]) -> tuple[argparse.Namespace, set[str]]:
+    from hicache.engine.cli import given_flags
+
+    ap = cli_main.parser()
+    return ap.parse_args(argv), given_flags(ap, argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "warning"),
+    [
+        (["--hicache-storage-path", "/tmp/x"], "--hicache-storage-path has no effect without --enable-hicache"),
+        (["--hicache-ratio=3"], "--hicache-ratio has no effect without --enable-hicache"),
+        (
+            ["--enable-hicache", "--hicache-storage-path", "/tmp/x"],
+            "--hicache-storage-path has no effect without --hicache-storage-size or --hicache-storage-ratio > 0",
+        ),
+        (
+            ["--enable-hicache", "--device", "cpu", "--hicache-layered-restore", "on"],
+            "--hicache-layered-restore on has no effect on CPU (it needs CUDA)",
+        ),
+        (
+            ["--enable-hicache", "--hicache-size", "1", "--hicache-ratio", "3"],
+            "--hicache-ratio has no effect with --hicache-size (the size wins)",
+        ),
+        (
+            ["--enable-hicache", "--hicache-policy", "always", "--hicache-explore", "3"],
+            "--hicache-explore has no effect without --hicache-policy cost",
+        ),
+        (
+            ["--enable-hicache", "--hicache-storage-ratio", "1", "--hicache-storage-backend-extra-config", "{}"],
+            "--hicache-storage-backend-extra-config has no effect without --hicache-storage-backend mooncake",
+        ),
+        (["--device", "cpu", "--attention-cudnn", "on"], "--attention-cudnn has no effect on CPU"),
+    ],
+)
+def test_a_flag_that_changes_nothing_warns(argv: list[str], warning: str) -> None:
+    """Each flag that has no effect with the others is named in a warning."""
+    args, given = args_of(argv)
+    assert warning in ineffective_flags(args, given)
+
+
+def test_flags_that_take_effect_do_not_warn() -> None:
+    """A configuration where every flag matters warns about nothing."""
+    argv = ["--enable-hicache", "--hicache-storage-ratio", "1", "--hicache-storage-path", "/tmp/x", "--device", "cpu"]
+    assert ineffective_flags(*args_of(argv)) == []
+
+
+def test_warnings_reach_stderr_and_the_run_still_succeeds(capsys: pytest.CaptureFixture[str]) -> None:
+    """A run with an ineffective flag prints the warning on stderr and serves its requests."""
+    code, out, err = run_main([*SMALL, "--hicache-storage-path", "/tmp/x"], capsys)
+    assert code == 0 and "2 requests: 2 served, 0 failed" in out
+    assert "warning: --hicache-storage-path has no effect without --enable-hicache" in err.splitlines()
+
+
+def test_every_request_failing_exits_1_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """When no request finds room, the reasons are counted, no figure is computed from
+    nothing (no StatisticsError) and the exit status is 1."""
+    monkeypatch.setattr(Engine, "_prefill", lambda self, seq: False)  # never room in L1
+    code, out, err = run_main(["--requests", "4"], capsys)
+    assert code == 1
+    assert "4 requests: 0 served, 4 failed" in out and "failed 4x: no room in L1 for a prompt of 358 tokens" in out
+    assert "throughput" not in out and "TTFT" not in out
+    assert err.splitlines()[-1] == "error: all 4 requests failed: no room in L1 for a prompt of 358 tokens (4)"
+
+
+def test_failed_requests_are_kept_out_of_throughput_and_ttft(capsys: pytest.CaptureFixture[str]) -> None:
+    """The report counts failures per reason and computes req/s and TTFT over served requests."""
+    engine = Engine("tiny", device="cpu", num_pages=64, cuda_graphs=False)
+    ok = [Output(i, [1], None, 0.010 * i, 0.02, 0, "L1") for i in (1, 2, 3)]
+    bad = [Output(9, [], None, 99.0, 99.0, 0, "L1", error="no room in L1 for a prompt of 358 tokens")]
+    bad.append(Output(10, [], None, 50.0, 50.0, 0, "L1", error="aborted"))
+    failed = cli_main.report(engine, ok + bad, wall=2.0)
+    engine.close()
+    out = capsys.readouterr().out
+    assert failed == {"no room in L1 for a prompt of 358 tokens": 1, "aborted": 1}
+    assert "5 requests: 3 served, 2 failed" in out
+    assert "throughput: 1.50 req/s (3 served in 2.00 s)" in out
+    assert "TTFT ms: median 20.00, p90 30.00, max 30.00" in out
+    assert "prompt KV from: recompute 3, L1 0, L2 0, L3 0" in out  # nothing cached: recomputed
+
+
+def test_the_workload_depends_only_on_the_seed() -> None:
+    """The same flags and seed give the same prompts; another seed gives others."""
+    args, _ = args_of(["--requests", "30", "--seed", "7"])
+    first, again = cli_main.workload(args, 1000), cli_main.workload(args, 1000)
+    args.seed = 8
+    assert first == again and cli_main.digest(first) == cli_main.digest(again)
+    assert cli_main.digest(cli_main.workload(args, 1000)) != cli_main.digest(first)
+
+
+def test_same_seed_same_output(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs with one seed print the same workload digest and the same served/failed line."""
+    runs = [run_main([*SMALL, "--seed", "3"], capsys)[1] for _ in range(2)]
+    pick = [[ln for ln in r.splitlines() if ln.startswith(("workload:", "2 requests"))] for r in runs]
+    assert pick[0] == pick[1] and len(pick[0]) == 2
+
+
+def test_metrics_port_in_use_is_a_flag_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A taken ``--metrics-port`` exits 2 naming the flag."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        code, _, err = run_main([*SMALL, "--enable-metrics", "--metrics-port", str(busy)], capsys)
+    assert code == 2 and err.splitlines()[-1] == f"error: --metrics-port {busy}: Address already in use"
+
+
+def test_enable_metrics_serves_the_cache_metrics_while_running(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--enable-metrics`` serves /metrics on 127.0.0.1 (scraped here just before it stops)."""
+    scraped: list[str] = []
+    stop = MetricsServer.stop
+
+    def scrape_then_stop(self: MetricsServer) -> None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            scraped.append(r.read().decode())
+        stop(self)
+
+    monkeypatch.setattr(MetricsServer, "stop", scrape_then_stop)
+    code, _, err = run_main([*SMALL, "--enable-metrics"], capsys)
+    assert code == 0 and re.search(r"^metrics: http://127\.0\.0\.1:\d+/metrics$", err, re.M)
+    (text,) = scraped
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    recomputed = families["hicache_recomputed_tokens"]
+    assert recomputed.type == "counter" and recomputed.samples[0].value > 0  # the workload's prefills
