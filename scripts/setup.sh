@@ -23,3 +23,26 @@ if .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available
 fi
 .venv/bin/pip install -q -e ".[$EXTRAS]" 2>&1 | grep -v -E "^WARNING: Location" || true
 .venv/bin/python -c 'import hicache, transitions, hypothesis' 
+# Mooncake Store for the `mooncake` L3 store and its tests (tests/mooncake): the CPU wheel,
+# and the native libraries it loads even for TCP (RDMA verbs, netlink), unpacked from the
+# distribution's packages into .venv/mooncake-libs (the tests point LD_LIBRARY_PATH there).
+# READY tells the tests that Mooncake is meant to work here: they then fail instead of skip.
+# HICACHE_MOONCAKE=0 leaves it out.
+install_mooncake() {
+  local tmp pkgs="libibverbs1 libnl-3-200 libnl-route-3-200"
+  tmp=$(mktemp -d) || return 1
+  if ! .venv/bin/pip show -q mooncake-transfer-engine mooncake-transfer-engine-non-cuda >/dev/null 2>&1; then
+    .venv/bin/pip install -q --retries 1 --timeout 30 "mooncake-transfer-engine-non-cuda==0.3.13.post1" >"$tmp/pip.log" 2>&1 \
+      || { grep -v "^WARNING: Location" "$tmp/pip.log" >&2; rm -rf "$tmp"; return 1; }
+  fi
+  (cd "$tmp" && apt-get download $pkgs >/dev/null 2>&1) \
+    || { [ "$(id -u)" = 0 ] && apt-get update -qq >/dev/null 2>&1 && (cd "$tmp" && apt-get download $pkgs >/dev/null); } \
+    || { rm -rf "$tmp"; return 1; }
+  mkdir -p .venv/mooncake-libs
+  for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" .venv/mooncake-libs || { rm -rf "$tmp"; return 1; }; done
+  rm -rf "$tmp"
+  touch .venv/mooncake-libs/READY
+}
+if [ "${HICACHE_MOONCAKE:-1}" = 1 ] && [ ! -e .venv/mooncake-libs/READY ]; then
+  install_mooncake || echo "setup: Mooncake could not be installed; the mooncake store tests will skip" >&2
+fi

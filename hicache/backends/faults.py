@@ -7,8 +7,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-FaultKind = Literal["eio", "enospc", "short", "eof", "corrupt", "slow", "fail"]
-KINDS: tuple[FaultKind, ...] = ("eio", "enospc", "short", "eof", "corrupt", "slow", "fail")
+FaultKind = Literal["eio", "enospc", "short", "eof", "corrupt", "slow", "fail", "hang"]
+KINDS: tuple[FaultKind, ...] = ("eio", "enospc", "short", "eof", "corrupt", "slow", "fail", "hang")
+HANG_S = 3600.0  # how long a ``hang`` blocks when neither released nor given ``delay_s``
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,14 +25,17 @@ class FaultInjector:
     Storage operations understand every kind: ``eio``/``enospc`` raise that OSError,
     ``short`` makes the syscall move half the bytes (the caller must loop), ``eof`` makes it
     move none (a read past the end), ``corrupt`` flips one byte of the page data, ``slow``
-    sleeps ``delay_s`` first. Device transfers understand ``fail`` (the copy ran but the
-    ticket reports failure) and ``slow``.
+    sleeps ``delay_s`` first, ``hang`` blocks the operation until :meth:`release` (or for
+    ``delay_s``, else an hour) and then lets it proceed. Device transfers understand ``fail``
+    (the copy ran but the ticket reports failure) and ``slow``.
     """
 
     def __init__(self) -> None:
         self._queue: deque[Fault] = deque()
         self._lock = threading.Lock()
+        self._released = threading.Event()
         self.injected: dict[str, int] = {}
+        self.hanging = 0  # operations blocked in a ``hang`` right now
 
     def add(
         self, kind: FaultKind, count: int = 1, *, op: Literal["read", "write", "any"] = "any", delay_s: float = 0.0
@@ -51,6 +55,24 @@ class FaultInjector:
                     self.injected[fault.kind] = self.injected.get(fault.kind, 0) + 1
                     return fault
         return None
+
+    def hang(self, fault: Fault) -> None:
+        """Block the calling (I/O) thread as ``fault`` says: until :meth:`release`, or
+        ``delay_s`` (an hour if 0)."""
+        with self._lock:
+            released = self._released
+            self.hanging += 1
+        try:
+            released.wait(fault.delay_s or HANG_S)
+        finally:
+            with self._lock:
+                self.hanging -= 1
+
+    def release(self) -> None:
+        """Let every operation blocked in a ``hang`` go on; later hangs block again."""
+        with self._lock:
+            self._released.set()
+            self._released = threading.Event()
 
     def clear(self) -> None:
         with self._lock:

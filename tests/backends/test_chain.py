@@ -87,7 +87,6 @@ def test_a_d2h_waits_for_a_storage_read_writing_its_destination() -> None:
     assert t3.ok and torch.equal(l2.slabs[L2_A], rows(l1, L1_SRC))
 
 
-@pytest.mark.xfail(strict=True, reason="storage.py is not wired to the L2 page fences yet (lead: then drop this)")
 def test_the_real_storage_backend_is_safe_to_chain() -> None:
     """The README chain on the real StorageBackend, its read held back: the h2d must wait
     for the read that writes its source pages."""

@@ -228,3 +228,46 @@ def test_recurring_time_excludes_poll_lag() -> None:
     )
     assert tm.total_s >= tm.recurring_s
     s.close()
+
+
+def test_second_cache_on_a_named_file_is_refused_and_the_first_keeps_its_pages(tmp_path: Path) -> None:
+    """Two caches on one ``storage_path``: the second gets ConfigError and does not
+    truncate the live file of the first."""
+    path = tmp_path / "l3.bin"
+    s = backend(path)
+    want = s.host.page_buffer[0].clone()
+    assert s.write([0], [3]).wait()
+    with pytest.raises(ConfigError, match="in use by another cache"):
+        StorageFile(G, 8, path)
+    assert path.stat().st_size == 8 * G.bytes_per_page
+    assert s.read([3], [1]).wait() and torch.equal(s.host.page_buffer[1], want)
+    s.close()
+    StorageFile(G, 8, path).close()  # free again once the first closed
+
+
+def test_file_size_limit_below_l3_is_a_config_error_and_leaves_no_file(tmp_path: Path) -> None:
+    """EFBIG (RLIMIT_FSIZE below the L3 size) is a ConfigError; no empty file is left."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    path = tmp_path / "l3.bin"
+    resource.setrlimit(resource.RLIMIT_FSIZE, (G.bytes_per_page, hard))
+    try:
+        with pytest.raises(ConfigError, match="file-size limit"):
+            StorageFile(G, 4, path)
+        with pytest.raises(ConfigError, match="file-size limit"):
+            StorageFile(G, 4)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert not path.exists()
+
+
+def test_permission_denied_on_the_way_in_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if os.geteuid() == 0:  # root enters anything: emulate the kernel's answer
+        monkeypatch.setattr(Path, "is_symlink", lambda self: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    else:
+        locked.chmod(0)
+    with pytest.raises(ConfigError, match="permission denied"):
+        StorageFile(G, 2, locked / "l3.bin")

@@ -52,7 +52,6 @@ def test_the_readme_chain_restores_the_saved_pages(direct_max_bytes: int) -> Non
     assert all(t.wait() for t in (t1, t2, t3))
 
 
-@pytest.mark.xfail(strict=True, reason="storage.py is not wired to the L2 page fences yet (lead: then drop this)")
 def test_the_readme_chain_on_the_real_storage_backend() -> None:
     """The same on ``StorageBackend``, its read held back too."""
     l1, l2 = pools()

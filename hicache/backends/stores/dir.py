@@ -1,0 +1,419 @@
+"""The ``dir`` store: a persistent local L3 that survives restarts, one file per page.
+
+    <dir>/LOCK                   flock'd by the one process using the directory (its pid inside)
+    <dir>/FORMAT                 page size in bytes and format version; a mismatch is refused
+    <dir>/<32 hex>.page          payload (bytes_per_page) + a 64-byte trailer
+    <dir>/.tmp-<32 hex>-<pid>-n  being written; deleted at open
+
+Why a file per page rather than an append log: pages are large (megabytes), so a file each
+costs little; a page becomes visible atomically by ``rename`` after its bytes are durable
+(write, ``fdatasync``, rename, ``fsync`` of the directory); LRU eviction is one ``unlink``
+with no compaction; and a crash can leave only ``.tmp-`` files, which never have a page's
+name. The trailer holds the magic, format version, payload length, the key and the payload's
+xxh3-128, and its own checksum.
+
+Verification: on open, every page's size and trailer (key = file name, checksums of the
+trailer) are checked and anything wrong is deleted; on every read, the payload's checksum
+too: a torn or corrupt page is never served (it is deleted and reported CORRUPT). The
+directory is 0700, files 0600, nothing is opened through a symlink (``O_NOFOLLOW``, all
+paths relative to the directory's descriptor). At most ``capacity`` pages: the least
+recently used (by read or write; kept across restarts as file mtimes) are evicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import stat
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from hicache.backends.faults import FaultInjector, FaultKind
+from hicache.backends.pools import HostPool
+from hicache.backends.stores.base import Op, PageStatus
+from hicache.backends.stores.iov import read_all, write_all
+from hicache.core.keys import KEY_BYTES
+from hicache.errors import ConfigError, MisuseError
+
+log = logging.getLogger(__name__)
+DIR_FAULTS: tuple[FaultKind, ...] = ("eio", "enospc", "corrupt", "slow", "hang")
+MAGIC = b"HICPAGE\x01"
+VERSION = 1
+_TRAILER = struct.Struct("<8sIIQ16s16s")  # magic, version, flags, payload bytes, key, payload xxh3-128
+TRAILER_BYTES = _TRAILER.size + 8  # + xxh3-64 of the fields above
+SUFFIX = ".page"
+_NAME_LEN = 2 * KEY_BYTES + len(SUFFIX)
+
+
+def _trailer(key: bytes, payload_sum: bytes, nbytes: int) -> bytes:
+    head = _TRAILER.pack(MAGIC, VERSION, 0, nbytes, key, payload_sum)
+    return head + xxhash.xxh3_64_digest(head)
+
+
+def _parse_trailer(raw: bytes, nbytes: int) -> tuple[bytes, bytes] | None:
+    """``(key, payload checksum)``, or None if the trailer is not a valid one for ``nbytes``."""
+    if len(raw) != TRAILER_BYTES or xxhash.xxh3_64_digest(raw[: _TRAILER.size]) != raw[_TRAILER.size :]:
+        return None
+    magic, version, _, length, key, payload_sum = _TRAILER.unpack(raw[: _TRAILER.size])
+    if magic != MAGIC or version != VERSION or length != nbytes:
+        return None
+    return key, payload_sum
+
+
+class DirStore:
+    """Keyed pages in a directory (see the module docstring)."""
+
+    kind = "dir"
+    keyed = True
+    shared = True  # pages written by an earlier process appear at open
+    remote = False
+    available = True
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        host: HostPool,
+        *,
+        capacity: int,
+        chunk_pages: int = 8,
+        fsync: bool = True,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.host = host
+        self.capacity = capacity
+        self.chunk_pages = chunk_pages
+        self.fsync = fsync
+        self.faults = faults or FaultInjector()
+        self.bytes_per_page = host.geometry.bytes_per_page
+        self._pages = host.bytes.numpy()
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+        self._writing = 0  # pages reserved by puts in flight
+        self._tmp = itertools.count()
+        self.counts = {"evicted": 0, "dropped_corrupt": 0, "dropped_at_open": 0, "temp_removed_at_open": 0}
+        self.dirfd = _open_dir(self.path)
+        self.lockfd = -1
+        try:
+            self.lockfd = _lock_dir(self.dirfd, self.path)
+            self._check_format()
+            self._scan()
+            self._check_room()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening -------------------------------------------------------------------------------
+
+    def _check_format(self) -> None:
+        want = f"hicache-dir-store {VERSION}\nbytes_per_page {self.bytes_per_page}\n"
+        try:
+            fd = os.open("FORMAT", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
+        except FileNotFoundError:
+            fd = os.open("FORMAT.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=self.dirfd)  # fmt: skip
+            try:
+                os.write(fd, want.encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename("FORMAT.tmp", "FORMAT", src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
+            os.fsync(self.dirfd)
+            return
+        try:
+            have = os.read(fd, 4096).decode(errors="replace")
+        finally:
+            os.close(fd)
+        if have != want:
+            raise ConfigError(
+                f"L3 directory {self.path} holds pages of another layout ({have.strip()!r}, we need "
+                f"{want.strip()!r}); give another directory"
+            )
+
+    def _scan(self) -> None:
+        """Index the pages a previous process left; delete temp files and anything broken."""
+        found: list[tuple[float, bytes]] = []
+        uid = os.geteuid()
+        with os.scandir(self.dirfd) as it:
+            for entry in it:
+                name = entry.name
+                if name.startswith(".tmp-"):
+                    self._unlink(name)
+                    self.counts["temp_removed_at_open"] += 1
+                    continue
+                if not name.endswith(SUFFIX):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                key = _key_of(name)
+                if (
+                    key is None
+                    or not stat.S_ISREG(st.st_mode)
+                    or st.st_uid != uid
+                    or st.st_size != self.bytes_per_page + TRAILER_BYTES
+                    or self._read_trailer(name) != key
+                ):
+                    self._unlink(name)
+                    self.counts["dropped_at_open"] += 1
+                    continue
+                found.append((st.st_mtime, key))
+        found.sort()
+        for _, key in found:
+            self._lru[key] = None
+        while len(self._lru) > self.capacity:
+            self._evict_one()
+
+    def _read_trailer(self, name: str) -> bytes | None:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
+        except OSError:
+            return None
+        try:
+            parsed = _parse_trailer(os.pread(fd, TRAILER_BYTES, self.bytes_per_page), self.bytes_per_page)
+        finally:
+            os.close(fd)
+        return None if parsed is None else parsed[0]
+
+    def _check_room(self) -> None:
+        vfs = os.statvfs(self.dirfd)
+        need = (self.capacity - len(self._lru)) * (self.bytes_per_page + TRAILER_BYTES)
+        free = vfs.f_bavail * vfs.f_frsize
+        if free < need:
+            raise ConfigError(
+                f"L3 directory {self.path}: needs {need} more bytes, only {free} free on that file system"
+            )
+
+    # -- the PageStore face ----------------------------------------------------------------------
+
+    def plan(self, op: Op, host_pages: Sequence[int], slots: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
+        n = len(slots)
+        return [(a, min(n, a + self.chunk_pages)) for a in range(0, n, self.chunk_pages)], n
+
+    def exists(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._lru:
+                    return i
+        return len(keys)
+
+    def put(self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None) -> list[PageStatus]:
+        if keys is None:
+            raise MisuseError("the dir store addresses pages by key; give keys")
+        out = [PageStatus.EXISTS] * len(keys)
+        todo: list[int] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+                else:
+                    todo.append(i)
+            room = self.capacity - len(self._lru) - self._writing
+            while room < len(todo) and self._lru:
+                self._evict_one()
+                room += 1
+            for i in todo[max(0, room) :]:
+                out[i] = PageStatus.FULL
+            todo = todo[: max(0, room)]
+            self._writing += len(todo)
+        written: list[tuple[int, str]] = []
+        try:
+            for i in todo:
+                tmp = self._write_temp(host_pages[i], keys[i])
+                if tmp is None:
+                    out[i] = PageStatus.FAILED
+                else:
+                    written.append((i, tmp))
+            for i, tmp in written:  # NOTE: only durable bytes get a page's name
+                os.rename(tmp, _name(keys[i]), src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
+            if written and self.fsync:
+                os.fsync(self.dirfd)
+        except BaseException:
+            for _, tmp in written:
+                self._unlink(tmp)
+            raise
+        finally:
+            with self._lock:
+                self._writing -= len(todo)
+        with self._lock:
+            for i, _ in written:
+                self._lru[keys[i]] = None
+                self._lru.move_to_end(keys[i])
+                out[i] = PageStatus.OK
+        return out
+
+    def get(self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None) -> list[PageStatus]:
+        if keys is None:
+            raise MisuseError("the dir store addresses pages by key; give keys")
+        return [self._read_page(p, k) for p, k in zip(host_pages, keys, strict=True)]
+
+    def close(self) -> None:
+        for fd in (self.lockfd, self.dirfd):
+            if fd >= 0:
+                os.close(fd)  # NOTE: closing the lock file drops the flock
+        self.lockfd = self.dirfd = -1
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            pages = len(self._lru)
+        return {"path": str(self.path), "pages": pages, "capacity": self.capacity, "fsync": self.fsync, **self.counts}
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _write_temp(self, page: int, key: bytes) -> str | None:
+        """Write one page (payload + trailer) to a new temp file and make it durable; its
+        name, or None after an error (the temp file removed)."""
+        fault = self.faults.take("write", DIR_FAULTS)
+        tmp = f".tmp-{key.hex()}-{os.getpid()}-{next(self._tmp)}"
+        payload = self._pages[page]
+        trailer = _trailer(key, xxhash.xxh3_128_digest(payload), self.bytes_per_page)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.dirfd)
+        try:
+            if fault is not None:
+                _inject(self.faults, fault)
+            write_all(fd, [payload.data.cast("B"), memoryview(trailer)])
+            if fault is not None and fault.kind == "corrupt":  # the bytes on disk differ from the checksum
+                os.pwrite(fd, bytes([int(payload[0]) ^ 0xFF]), 0)
+            if self.fsync:
+                os.fdatasync(fd)
+        except OSError as exc:
+            log.warning("hicache L3 dir: writing page %s failed: %s", key.hex(), exc)
+            os.close(fd)
+            self._unlink(tmp)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+                return None
+            raise
+        os.close(fd)
+        return tmp
+
+    def _read_page(self, page: int, key: bytes) -> PageStatus:
+        name = _name(key)
+        fault = self.faults.take("read", DIR_FAULTS)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
+        except FileNotFoundError:
+            with self._lock:
+                self._lru.pop(key, None)
+            return PageStatus.MISSING
+        try:
+            if fault is not None:
+                _inject(self.faults, fault)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != self.bytes_per_page + TRAILER_BYTES:
+                return self._drop(key, "wrong size")
+            view = self._pages[page].data.cast("B")
+            trailer = bytearray(TRAILER_BYTES)
+            read_all(fd, [view, memoryview(trailer)])
+            if fault is not None and fault.kind == "corrupt":
+                view[0] ^= 0xFF
+            parsed = _parse_trailer(bytes(trailer), self.bytes_per_page)
+            if parsed is None or parsed[0] != key:
+                return self._drop(key, "bad trailer")
+            if xxhash.xxh3_128_digest(view) != parsed[1]:
+                return self._drop(key, "payload checksum mismatch")
+        finally:
+            os.close(fd)
+        with self._lock:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+        with contextlib.suppress(OSError):  # NOTE: the LRU order survives a restart as mtimes
+            os.utime(name, dir_fd=self.dirfd, follow_symlinks=False)
+        return PageStatus.OK
+
+    def _drop(self, key: bytes, why: str) -> PageStatus:
+        log.warning("hicache L3 dir: page %s is corrupt (%s); deleted, never served", key.hex(), why)
+        with self._lock:
+            self._lru.pop(key, None)
+            self.counts["dropped_corrupt"] += 1
+        self._unlink(_name(key))
+        return PageStatus.CORRUPT
+
+    def _evict_one(self) -> None:
+        """Under the lock: delete the least recently used page."""
+        key, _ = self._lru.popitem(last=False)
+        self.counts["evicted"] += 1
+        self._unlink(_name(key))
+
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self.dirfd)
+
+
+def _name(key: bytes) -> str:
+    return key.hex() + SUFFIX
+
+
+def _key_of(name: str) -> bytes | None:
+    if len(name) != _NAME_LEN:
+        return None
+    try:
+        return bytes.fromhex(name[: 2 * KEY_BYTES])
+    except ValueError:
+        return None
+
+
+def _open_dir(path: Path) -> int:
+    """Create (0700) or check the directory and open it without following a symlink."""
+    try:
+        if path.is_symlink():
+            raise ConfigError(f"L3 directory {path} is a symlink; give the real path")
+        if not path.exists():
+            if not path.parent.is_dir():
+                raise ConfigError(f"L3 directory {path}: parent {path.parent} does not exist")
+            path.mkdir(mode=0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except PermissionError as exc:
+        raise ConfigError(f"L3 directory {path}: permission denied ({exc.strerror})") from exc
+    except NotADirectoryError as exc:
+        raise ConfigError(f"L3 directory {path} is not a directory") from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"L3 directory {path} became a symlink; refusing to follow it") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise ConfigError(f"L3 directory {path} is owned by uid {st.st_uid}, not by us ({os.geteuid()})")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"L3 directory {path} is not writable")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lock_dir(dirfd: int, path: Path) -> int:
+    fd = os.open("LOCK", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(
+            f"L3 directory {path} is in use by another process (pid {holder}); give each its own"
+        ) from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _inject(faults: FaultInjector, fault: Any) -> None:
+    if fault.kind == "eio":
+        raise OSError(errno.EIO, "injected EIO")
+    if fault.kind == "enospc":
+        raise OSError(errno.ENOSPC, "injected ENOSPC")
+    if fault.kind == "slow":
+        time.sleep(fault.delay_s)
+    if fault.kind == "hang":
+        faults.hang(fault)

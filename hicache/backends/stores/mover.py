@@ -1,0 +1,546 @@
+"""``StoreMover``: the asynchronous L2 <-> L3 face of any :class:`PageStore`.
+
+The scheduler thread only validates a request and queues it (``write`` / ``read``, O(1) past
+the page checks) and reads one flag when it polls; everything else runs on the I/O threads:
+
+    caller: check pages -> queue (job)            I/O threads: plan -> chunks -> store.put/get
+    caller: ticket.poll() -> job.outcome?                       last chunk -> outcome, timings
+
+Reads are served before queued writes (a restore waits on them; a backup does not).
+
+Deadlines: a request not finished ``deadline_s + deadline_s_per_gib * GiB`` after it was
+queued fails (the request recomputes). Its chunks that have not started never start; the
+ones still running keep their pages (``ticket.held_host_pages`` / ``held_slots``) until
+they return, and :meth:`StoreMover.reap` then lists the ticket once, ``settled``. The I/O
+threads are daemons and ``close`` waits at most ``close_timeout_s``: a hung disk cannot
+wedge shutdown; the store itself closes when its last straggler returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hicache.backends.faults import FaultInjector
+from hicache.backends.pools import HostPool, PageFences, check_pages
+from hicache.backends.stores.base import LOST, STORED, Op, PageStatus, PageStore, StoreTicket
+from hicache.backends.transfer import DeviceTicket
+from hicache.core.keys import KEY_BYTES
+from hicache.errors import ConfigError, MisuseError, PageOwnershipError
+from hicache.spec.model import Direction
+
+log = logging.getLogger(__name__)
+_READ, _WRITE, _STOP = 0, 1, 2  # queue priorities
+
+
+class _Job:
+    """One request: its pages, chunks and outcome. Mutated under the mover's lock."""
+
+    __slots__ = (
+        "chunks",
+        "deadline",
+        "deps",
+        "errors",
+        "event",
+        "expired",
+        "extents",
+        "first_start",
+        "hp",
+        "keys",
+        "last_end",
+        "op",
+        "outcome",
+        "pending",
+        "running",
+        "sl",
+        "statuses",
+        "ticket",
+    )
+
+    def __init__(
+        self, op: Op, ticket: StoreTicket, hp: list[int], sl: list[int], keys: list[bytes] | None, deadline: float
+    ) -> None:
+        self.op = op
+        self.ticket = ticket
+        self.hp = hp
+        self.sl = sl
+        self.keys = keys
+        self.deadline = deadline
+        self.deps: list[DeviceTicket] = []  # device transfers to settle before touching pages
+        self.chunks: list[tuple[int, int]] = []
+        self.pending = -1  # chunks not yet finished or skipped; -1 until planned
+        self.running: dict[int, tuple[int, int]] = {}
+        self.statuses = [PageStatus.SKIPPED] * len(sl)
+        self.errors: list[str] = []
+        self.event = threading.Event()
+        self.outcome: bool | None = None
+        self.expired = False
+        self.extents = 0
+        self.first_start = math.inf
+        self.last_end = 0.0
+
+
+class StoreMover:
+    """H2S (L2 -> L3) and S2H (L3 -> L2) over ``store``, on ``workers`` I/O threads."""
+
+    def __init__(
+        self,
+        store: PageStore,
+        host: HostPool,
+        *,
+        slots: int,
+        workers: int = 4,
+        deadline_s: float | None = 10.0,
+        deadline_s_per_gib: float = 10.0,
+        close_timeout_s: float = 5.0,
+        exists_pages: int = 2048,
+        exists_timeout_s: float = 0.25,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        check_mover_config(
+            slots, workers, deadline_s, deadline_s_per_gib, close_timeout_s, exists_pages, exists_timeout_s
+        )
+        self.store = store
+        self.host = host
+        self.slots = slots
+        self.bytes_per_page = host.geometry.bytes_per_page
+        self.deadline_s = deadline_s
+        self.deadline_s_per_gib = deadline_s_per_gib
+        self.close_timeout_s = close_timeout_s
+        self.exists_pages = exists_pages
+        self.exists_timeout_s = exists_timeout_s
+        self.faults = faults or FaultInjector()
+        self.closed = False
+        self._lock = threading.Lock()
+        self._queue: queue.PriorityQueue[tuple[int, int, _Job | None, int]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._active: set[_Job] = set()
+        self._slot_fences = PageFences("L3")
+        self._settled: list[StoreTicket] = []
+        self._running = 0  # chunks inside store.put/get right now
+        self._closing = False
+        self._store_closed = False
+        self._exists_busy = False
+        self._control: queue.SimpleQueue[tuple[list[bytes], list[int], threading.Event]] | None = None
+        self.counts: dict[str, int] = dict.fromkeys(
+            (
+                "reads",
+                "writes",
+                "failed",
+                "expired",
+                "lost_pages",
+                "pages_already_stored",
+                "extents",
+                "exists_calls",
+                "exists_failed",
+                "exists_timeouts",
+                "unavailable",
+            ),
+            0,
+        )
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"hicache-l3-{i}", daemon=True) for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- the StorageMover face ----------------------------------------------------------------
+
+    @property
+    def keyed(self) -> bool:
+        """Pages are addressed by content key (keys must be given)."""
+        return self.store.keyed
+
+    @property
+    def shared(self) -> bool:
+        """Pages can appear or vanish behind our back (restarts, other processes)."""
+        return self.store.shared
+
+    @property
+    def persistent(self) -> bool:
+        """What is written outlives this process (a shared store): worth finishing at close."""
+        return self.store.shared
+
+    @property
+    def available(self) -> bool:
+        return self.store.available and not self.closed
+
+    def write(
+        self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None = None
+    ) -> StoreTicket:
+        """H2S: store L2 pages (asynchronous). Pages the store already has are not written
+        again (their status is EXISTS, and the ticket succeeds)."""
+        return self._submit("write", host_pages, slots, keys)
+
+    def read(self, slots: Sequence[int], host_pages: Sequence[int], keys: Sequence[bytes] | None = None) -> StoreTicket:
+        """S2H: load pages into L2 (asynchronous). A page the store no longer has fails the
+        ticket with ``lost`` set."""
+        return self._submit("read", host_pages, slots, keys)
+
+    def exists(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the store holds: one batched call of at most
+        ``exists_pages`` keys, waited for at most ``exists_timeout_s``; 0 on any error."""
+        if not self.store.keyed or self.closed or not self.store.available or not keys:
+            return 0
+        batch = list(keys[: self.exists_pages])
+        _check_keys(batch, len(batch))
+        self.counts["exists_calls"] += 1
+        if not self.store.remote:
+            try:
+                return self.store.exists(batch)
+            except Exception as exc:
+                return self._exists_failed(exc)
+        return self._exists_remote(batch)
+
+    def reap(self) -> list[StoreTicket]:
+        """Tickets failed by their deadline whose I/O has since returned (each listed once):
+        their ``held_*`` pages may be reused now."""
+        with self._lock:
+            out, self._settled = self._settled, []
+        return out
+
+    def close(self, *, wait: bool = True) -> None:
+        """Finish queued work (``wait``, at most ``close_timeout_s``) or cancel it; requests
+        still unfinished then fail. Returns in bounded time even if I/O hangs."""
+        if self.closed:
+            return
+        self.closed = True
+        end = time.perf_counter() + self.close_timeout_s
+        with self._lock:
+            jobs = list(self._active)
+        if wait:
+            for job in jobs:
+                job.event.wait(max(0.0, end - time.perf_counter()))
+        for job in jobs:
+            self._expire(job, "L3 storage closed before the request finished")
+        for _ in self._threads:
+            self._queue.put((_STOP, next(self._seq), None, 0))
+        for t in self._threads:
+            t.join(max(0.0, end - time.perf_counter()))
+        with self._lock:
+            self._closing = True
+            now = self._running == 0
+        if now:
+            self._close_store()
+        else:
+            log.warning("hicache L3: %d I/O still running at close; the store closes when they return", self._running)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            running = self._running
+            active = len(self._active)
+        return {
+            "kind": self.store.kind,
+            "slots": self.slots,
+            "keyed": self.store.keyed,
+            "shared": self.store.shared,
+            "available": self.available,
+            **self.store.status(),
+            **self.counts,
+            "in_flight": active,
+            "io_running": running,
+            "deadline_s": self.deadline_s,
+            "faults_injected": dict(self.faults.injected),
+        }
+
+    @property
+    def extents(self) -> int:
+        return self.counts["extents"]
+
+    # -- submission (the caller's thread) ------------------------------------------------------
+
+    def _submit(
+        self, op: Op, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None
+    ) -> StoreTicket:
+        t0 = time.perf_counter()
+        if self.closed:
+            raise ConfigError("storage backend is closed")
+        direction = Direction.H2S if op == "write" else Direction.S2H
+        n = len(slots)
+        if len(host_pages) != n:
+            raise PageOwnershipError(f"{direction.name}: {len(host_pages)} host pages for {n} slots")
+        check_pages("L2", host_pages, self.host.num_pages)
+        check_pages("L3", slots, self.slots)
+        if keys is not None:
+            _check_keys(keys, n)
+        elif self.store.keyed:
+            raise MisuseError(f"{direction.name}: the {self.store.kind} store addresses pages by key; give keys")
+        ticket = StoreTicket(direction, n, n * self.bytes_per_page, started=t0)
+        if not n:
+            ticket.finish_now(True)
+            return ticket
+        if not self.store.available:
+            self.counts["unavailable"] += 1
+            ticket.statuses = [PageStatus.FAILED] * n
+            ticket.fail_now(f"L3 {self.store.kind} store unavailable: {self.store.status().get('error', '')}")
+            return ticket
+        deadline = math.inf
+        if self.deadline_s is not None:
+            deadline = t0 + self.deadline_s + self.deadline_s_per_gib * ticket.nbytes / 2**30
+        ticket.deadline = deadline
+        # NOTE: order after transfers still touching these pages (the pools' fences): wait
+        # here for host-side ones; the I/O threads settle device ones before touching pages.
+        to_l2 = op == "read"
+        deps = self.host.pending(host_pages, write=to_l2) + self._slot_fences.pending(slots, write=not to_l2)
+        for dep in deps:
+            if not isinstance(dep, DeviceTicket):
+                dep.wait()
+        job = _Job(op, ticket, list(host_pages), list(slots), None if keys is None else list(keys), deadline)
+        job.deps = [d for d in deps if isinstance(d, DeviceTicket)]
+        with self._lock:
+            self._active.add(job)
+        ticket.bind(lambda block: self._check(job, block), lambda: self._withdraw(job))
+        self.host.fence(host_pages, ticket, write=to_l2)
+        self._slot_fences.fence(slots, ticket, write=not to_l2)
+        self._queue.put((_READ if op == "read" else _WRITE, next(self._seq), job, -1))
+        ticket.timings.enqueue_s = time.perf_counter() - t0
+        return ticket
+
+    def _check(self, job: _Job, block: bool) -> bool | None:
+        if job.outcome is not None:
+            return job.outcome
+        if block:
+            timeout = None if job.deadline == math.inf else max(0.0, job.deadline - time.perf_counter())
+            if job.event.wait(timeout):  # set together with the outcome
+                return bool(job.outcome)
+        elif time.perf_counter() < job.deadline:
+            return None
+        what = f"L3 {job.op} of {len(job.sl)} pages"
+        return self._expire(job, f"deadline: {what} not done after {job.deadline - job.ticket.started:.1f} s")
+
+    def _withdraw(self, job: _Job) -> bool:
+        """Take back ``job`` if none of its I/O has started (its chunks will never start)."""
+        with self._lock:
+            if job.outcome is not None or job.running or job.first_start != math.inf:
+                return False
+            job.expired = True  # NOTE: what makes queued chunks skip; the ticket is not "expired"
+            job.ticket.statuses = [PageStatus.SKIPPED] * len(job.sl)
+            self._active.discard(job)
+            job.outcome = False
+            job.event.set()
+        return True
+
+    def _expire(self, job: _Job, reason: str) -> bool:
+        """Fail ``job`` now unless it already finished; its running chunks become stragglers."""
+        with self._lock:
+            if job.outcome is not None:
+                return job.outcome
+            t = job.ticket
+            job.expired = True
+            t.expired = True
+            t.error = reason
+            for a, b in job.running.values():
+                t.held_host_pages.extend(job.hp[a:b])
+                t.held_slots.extend(job.sl[a:b])
+                job.statuses[a:b] = [PageStatus.FAILED] * (b - a)
+            t.statuses = list(job.statuses)
+            t.settled = not job.running
+            self.counts["expired"] += 1
+            self.counts["failed"] += 1
+            self._active.discard(job)
+            job.outcome = False
+            job.event.set()
+        log.warning("hicache %s", reason)
+        return False
+
+    # -- the I/O threads -------------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            _, _, job, chunk = self._queue.get()
+            if job is None:
+                return
+            if chunk < 0:
+                self._plan(job)
+            else:
+                self._run(job, chunk)
+
+    def _plan(self, job: _Job) -> None:
+        if job.expired:
+            with self._lock:
+                job.pending = 0
+                self._chunk_ended(job)
+            return
+        try:
+            chunks, extents = self.store.plan(job.op, job.hp, job.sl)
+        except Exception as exc:
+            chunks, extents = [(0, len(job.sl))], 0
+            with self._lock:
+                job.errors.append(f"{job.op} failed: {type(exc).__name__}: {exc}")
+        with self._lock:
+            job.chunks = chunks
+            job.extents = extents
+            job.pending = len(chunks)
+        prio = _READ if job.op == "read" else _WRITE
+        for i in range(1, len(chunks)):
+            self._queue.put((prio, next(self._seq), job, i))
+        self._run(job, 0)
+
+    def _run(self, job: _Job, i: int) -> None:
+        a, b = job.chunks[i]
+        with self._lock:
+            if job.expired or job.errors:  # past its deadline, closed, or unplannable: never start
+                job.pending -= 1
+                if job.errors:
+                    job.statuses[a:b] = [PageStatus.FAILED] * (b - a)
+                self._chunk_ended(job)
+                return
+            job.running[i] = (a, b)
+            job.first_start = min(job.first_start, time.perf_counter())
+            self._running += 1
+        for dep in job.deps:
+            dep.settle()
+        t0 = time.perf_counter()
+        keys = None if job.keys is None else job.keys[a:b]
+        error = None
+        try:
+            if job.op == "write":
+                statuses = self.store.put(job.hp[a:b], job.sl[a:b], keys)
+            else:
+                statuses = self.store.get(job.hp[a:b], job.sl[a:b], keys)
+            if len(statuses) != b - a:
+                raise RuntimeError(f"store returned {len(statuses)} statuses for {b - a} pages")
+        except Exception as exc:  # an OSError or an unexpected error: never success
+            statuses = [PageStatus.FAILED] * (b - a)
+            error = f"{job.op} failed: {type(exc).__name__}: {exc}"
+            log.warning("hicache L3 %s", error)
+        t1 = time.perf_counter()
+        with self._lock:
+            del job.running[i]
+            self._running -= 1
+            job.pending -= 1
+            job.first_start = min(job.first_start, t0)
+            job.last_end = max(job.last_end, t1)
+            if job.outcome is None:
+                job.statuses[a:b] = statuses
+                if error is not None:
+                    job.errors.append(error)
+            close_store = self._chunk_ended(job)
+        if close_store:
+            self._close_store()
+
+    def _chunk_ended(self, job: _Job) -> bool:
+        """Under the lock: finish the job if this was its last chunk, settle a straggling
+        ticket, and say whether the store should close now."""
+        if job.pending == 0 and job.outcome is None:
+            self._finish(job)
+        t = job.ticket
+        if job.expired and not job.running and not t.settled:
+            t.settled = True
+            self._settled.append(t)
+        return self._closing and self._running == 0 and not self._store_closed
+
+    def _finish(self, job: _Job) -> None:
+        t = job.ticket
+        st = job.statuses
+        good = STORED if job.op == "write" else frozenset({PageStatus.OK})
+        bad = [i for i, s in enumerate(st) if s not in good]
+        lost = [i for i in bad if st[i] in LOST]
+        t.statuses = st
+        t.lost = bool(lost)
+        t.extents = job.extents
+        if job.last_end:
+            t.timings.service_s = job.last_end - job.first_start
+            t.finished_at = job.last_end
+        self.counts["reads" if job.op == "read" else "writes"] += 1
+        if job.op == "write":
+            self.counts["pages_already_stored"] += st.count(PageStatus.EXISTS)
+        if bad:
+            self.counts["failed"] += 1
+            self.counts["lost_pages"] += len(lost)
+            first = PageStatus(st[bad[0]]).name
+            detail = job.errors[0] if job.errors else f"page {bad[0]} {first}"
+            t.error = f"L3 {job.op}: {len(bad)} of {len(st)} pages not {'stored' if job.op == 'write' else 'read'}"
+            t.error += f" ({len(lost)} lost from the store): {detail}" if lost else f": {detail}"
+        else:
+            self.counts["extents"] += job.extents
+        self._active.discard(job)
+        job.outcome = not bad
+        job.event.set()
+
+    def _close_store(self) -> None:
+        with self._lock:
+            if self._store_closed:
+                return
+            self._store_closed = True
+        try:
+            self.store.close()
+        except Exception as exc:
+            log.warning("hicache L3: closing the %s store failed: %s", self.store.kind, exc)
+
+    # -- exists on a remote store ------------------------------------------------------------------
+
+    def _exists_failed(self, exc: BaseException) -> int:
+        self.counts["exists_failed"] += 1
+        log.warning("hicache L3 exists failed: %s", exc)
+        return 0
+
+    def _exists_remote(self, keys: list[bytes]) -> int:
+        """Through one control thread, so a hung store costs at most ``exists_timeout_s``
+        once and 0 (at once) while that call is still stuck."""
+        with self._lock:
+            if self._exists_busy:
+                self.counts["exists_timeouts"] += 1
+                return 0
+            self._exists_busy = True
+            if self._control is None:
+                self._control = queue.SimpleQueue()
+                threading.Thread(target=self._control_loop, args=(self._control,), daemon=True).start()
+        box: list[int] = []
+        done = threading.Event()
+        self._control.put((keys, box, done))
+        if not done.wait(self.exists_timeout_s):
+            self.counts["exists_timeouts"] += 1
+            return 0
+        return box[0] if box else 0
+
+    def _control_loop(self, q: queue.SimpleQueue[tuple[list[bytes], list[int], threading.Event]]) -> None:
+        while True:
+            keys, box, done = q.get()
+            try:
+                box.append(self.store.exists(keys))
+            except Exception as exc:
+                self._exists_failed(exc)
+            finally:
+                with self._lock:
+                    self._exists_busy = False
+                done.set()
+
+
+def _check_keys(keys: Sequence[bytes], n: int) -> None:
+    # NOTE: C-level checks first: this runs on the scheduler thread for every request.
+    if len(keys) != n:
+        raise MisuseError(f"{len(keys)} keys for {n} pages")
+    if n and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {KEY_BYTES}):
+        raise MisuseError(f"keys must be {KEY_BYTES}-byte bytes (hicache.core.keys.page_keys)")
+
+
+def check_mover_config(
+    slots: int,
+    workers: int,
+    deadline_s: float | None,
+    deadline_s_per_gib: float,
+    close_timeout_s: float,
+    exists_pages: int,
+    exists_timeout_s: float,
+) -> None:
+    """Raise ConfigError for any bad mover setting (before anything is opened)."""
+    for name, value in (("L3 slots", slots), ("storage workers", workers), ("exists_pages", exists_pages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    for name, x in (
+        ("deadline_s", deadline_s),
+        ("deadline_s_per_gib", deadline_s_per_gib),
+        ("close_timeout_s", close_timeout_s),
+        ("exists_timeout_s", exists_timeout_s),
+    ):
+        if x is None and name == "deadline_s":
+            continue
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+            raise ConfigError(f"{name} must be a finite non-negative number, got {x!r}")

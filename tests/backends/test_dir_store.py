@@ -1,0 +1,289 @@
+"""The ``dir`` store: bit-exact, persistent across restarts, crash-safe, locked, bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.backends.pools import HostPool
+from hicache.backends.stores import PageStatus, open_storage
+from hicache.backends.stores.dir import TRAILER_BYTES
+from hicache.errors import ConfigError
+from tests.backends.store_helpers import KEYS, G, dir_store, fill, page_bytes
+
+
+def page_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.page"))
+
+
+def test_round_trip_is_bit_exact_and_files_are_private(tmp_path: Path) -> None:
+    """Pages written from scattered L2 pages read back bit-exactly into other L2 pages;
+    the directory is 0700 and every page file 0600."""
+    s = dir_store(tmp_path / "l3")
+    fill(s.host, [5, 1, 3], [0, 1, 2])
+    assert s.write([5, 1, 3], [0, 1, 2], KEYS[:3]).wait()
+    assert s.read([0, 1, 2], [0, 2, 4], KEYS[:3]).wait()
+    for p, i in zip([0, 2, 4], range(3), strict=True):
+        assert torch.equal(s.host.bytes[p], page_bytes(i))
+    assert stat.S_IMODE((tmp_path / "l3").stat().st_mode) == 0o700
+    files = page_files(tmp_path / "l3")
+    assert len(files) == 3 and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    s.close()
+
+
+def test_pages_survive_a_restart(tmp_path: Path) -> None:
+    """A new process (a new store on the same directory) finds and serves the pages."""
+    s = dir_store(tmp_path)
+    fill(s.host, list(range(4)), list(range(4)))
+    assert s.write(list(range(4)), list(range(4)), KEYS[:4]).wait()
+    s.close()
+    s2 = dir_store(tmp_path)
+    assert s2.exists(KEYS[:6]) == 4
+    assert s2.read(list(range(4)), [7, 6, 5, 4], KEYS[:4]).wait()
+    for p, i in zip([7, 6, 5, 4], range(4), strict=True):
+        assert torch.equal(s2.host.bytes[p], page_bytes(i))
+    s2.close()
+
+
+def test_exists_counts_leading_keys_only(tmp_path: Path) -> None:
+    s = dir_store(tmp_path)
+    fill(s.host, [0, 1], [0, 2])
+    assert s.write([0, 1], [0, 2], [KEYS[0], KEYS[2]]).wait()
+    assert s.exists(KEYS[:3]) == 1  # KEYS[1] missing: KEYS[2] does not count
+    assert s.exists(KEYS[1:3]) == 0
+    s.close()
+
+
+def test_pages_already_stored_are_not_written_again(tmp_path: Path) -> None:
+    """A second write of stored keys succeeds as EXISTS and leaves the files untouched."""
+    s = dir_store(tmp_path)
+    fill(s.host, [0, 1], [0, 1])
+    assert s.write([0, 1], [0, 1], KEYS[:2]).wait()
+    before = {f.name: f.stat().st_ino for f in page_files(tmp_path)}
+    t = s.write([0, 1], [0, 1], KEYS[:2])
+    assert t.wait() and t.statuses == [PageStatus.EXISTS, PageStatus.EXISTS]
+    assert {f.name: f.stat().st_ino for f in page_files(tmp_path)} == before
+    assert s.status()["pages_already_stored"] == 2
+    s.close()
+
+
+def test_missing_page_fails_the_read_as_lost(tmp_path: Path) -> None:
+    """A page the store does not have (deleted behind our back) fails the read with
+    ``lost`` set and a MISSING status; the pages that were there are OK."""
+    s = dir_store(tmp_path)
+    fill(s.host, [0, 1], [0, 1])
+    assert s.write([0, 1], [0, 1], KEYS[:2]).wait()
+    (tmp_path / f"{KEYS[1].hex()}.page").unlink()
+    t = s.read([0, 1], [2, 3], KEYS[:2])
+    assert t.wait() is False and t.lost
+    assert t.statuses == [PageStatus.OK, PageStatus.MISSING]
+    assert t.error is not None and "lost" in t.error
+    assert s.exists(KEYS[:2]) == 1
+    s.close()
+
+
+def test_corrupt_page_is_never_served_and_is_deleted(tmp_path: Path) -> None:
+    """One flipped payload byte on disk: the read fails (CORRUPT, lost), the file is gone,
+    and a read after a restart cannot serve it either."""
+    s = dir_store(tmp_path)
+    fill(s.host, [0], [0])
+    assert s.write([0], [0], KEYS[:1]).wait()
+    f = tmp_path / f"{KEYS[0].hex()}.page"
+    with f.open("r+b") as fh:
+        fh.seek(100)
+        b = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([b[0] ^ 1]))
+    t = s.read([0], [1], KEYS[:1])
+    assert t.wait() is False and t.lost and t.statuses == [PageStatus.CORRUPT]
+    assert not f.exists() and s.exists(KEYS[:1]) == 0
+    s.close()
+
+
+def test_torn_pages_and_temp_files_are_dropped_at_reopen(tmp_path: Path) -> None:
+    """A page file cut short, one with a damaged trailer, and a leftover temp file are
+    deleted when the directory is opened; intact pages stay."""
+    s = dir_store(tmp_path)
+    fill(s.host, list(range(3)), list(range(3)))
+    assert s.write(list(range(3)), list(range(3)), KEYS[:3]).wait()
+    s.close()
+    torn = tmp_path / f"{KEYS[1].hex()}.page"
+    os.truncate(torn, G.bytes_per_page // 2)
+    bad_trailer = tmp_path / f"{KEYS[2].hex()}.page"
+    with bad_trailer.open("r+b") as fh:
+        fh.seek(G.bytes_per_page + TRAILER_BYTES - 1)
+        fh.write(b"\x00" if fh.read(1) != b"\x00" else b"\x01")
+    (tmp_path / f".tmp-{KEYS[3].hex()}-1-0").write_bytes(b"half a page")
+    s2 = dir_store(tmp_path)
+    assert s2.exists(KEYS[:3]) == 1
+    assert [f.name for f in page_files(tmp_path)] == [f"{KEYS[0].hex()}.page"]
+    assert not list(tmp_path.glob(".tmp-*"))
+    st = s2.status()
+    assert st["dropped_at_open"] == 2 and st["temp_removed_at_open"] == 1
+    s2.close()
+
+
+CHILD = r"""
+import os, sys, time
+from hicache.backends.pools import HostPool
+from hicache.backends.stores import open_storage
+from tests.backends.store_helpers import G, KEYS, page_bytes
+
+path, mode = sys.argv[1], sys.argv[2]
+host = HostPool(G, 1)
+store = open_storage("dir", G, host, slots=len(KEYS), path=path, workers=1)
+if mode == "block":  # stop for good inside the durability barrier of the third page
+    real, calls = os.fdatasync, [0]
+    def fdatasync(fd):
+        calls[0] += 1
+        if calls[0] == 3:
+            print("blocked", flush=True)
+            time.sleep(3600)
+        real(fd)
+    os.fdatasync = fdatasync
+for i, key in enumerate(KEYS):
+    host.bytes[0].copy_(page_bytes(i))
+    print(("ok" if store.write([0], [i], [key]).wait() else "fail"), i, flush=True)
+"""
+
+
+def run_and_kill(path: Path, mode: str, after: int) -> list[int]:
+    """Start a writer child, SIGKILL it once it printed ``after`` lines; the pages it
+    acknowledged."""
+    repo = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path), mode], cwd=repo, stdout=subprocess.PIPE, text=True
+    )
+    acked: list[int] = []
+    try:
+        assert child.stdout is not None
+        for _ in range(after):  # bounded: the child prints one line per page, or "blocked"
+            line = child.stdout.readline()
+            if not line:
+                break
+            word, *rest = line.split()
+            if word == "ok":
+                acked.append(int(rest[0]))
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+        if child.stdout is not None:
+            child.stdout.close()
+    return acked
+
+
+@pytest.mark.parametrize(("mode", "after"), [("block", 3), ("run", 12)])
+def test_sigkill_while_writing_never_serves_a_torn_page(tmp_path: Path, mode: str, after: int) -> None:
+    """A writer killed with SIGKILL mid-write (``block``: with a page's bytes written but
+    not yet durable; ``run``: at an arbitrary moment) leaves a directory whose every
+    page, after reopening, is bit-exact, and which holds every page it acknowledged."""
+    acked = run_and_kill(tmp_path, mode, after)
+    assert acked, "the child acknowledged nothing"
+    if mode == "block":
+        assert acked == [0, 1]
+        assert list(tmp_path.glob(".tmp-*")), "the blocked page's temp file should be left behind"
+    s = open_storage("dir", G, HostPool(G, 1), slots=len(KEYS), path=tmp_path)
+    assert not list(tmp_path.glob(".tmp-*"))
+    present = [i for i, k in enumerate(KEYS) if s.exists([k])]
+    assert set(acked) <= set(present)
+    if mode == "block":
+        assert present == [0, 1]
+    for i in present:
+        assert s.read([i], [0], [KEYS[i]]).wait()
+        assert torch.equal(s.host.bytes[0], page_bytes(i)), f"page {i} differs"
+    s.close()
+
+
+def test_second_process_gets_a_clear_error_until_the_first_closes(tmp_path: Path) -> None:
+    """One process per directory: a second opener gets ConfigError naming the holder's
+    pid; once the first closes, it opens."""
+    s = dir_store(tmp_path)
+    with pytest.raises(ConfigError, match=f"in use by another process \\(pid {os.getpid()}\\)"):
+        dir_store(tmp_path)
+    s.close()
+    dir_store(tmp_path).close()
+
+
+def test_size_is_bounded_with_lru_eviction(tmp_path: Path) -> None:
+    """At most ``slots`` pages; the least recently used (read or written) go first."""
+    s = dir_store(tmp_path, slots=4)
+    fill(s.host, list(range(4)), list(range(4)))
+    assert s.write(list(range(4)), list(range(4)), KEYS[:4]).wait()
+    assert s.read([0], [7], KEYS[:1]).wait()  # page 0 is now the most recently used
+    fill(s.host, [4, 5], [4, 5])
+    assert s.write([4, 5], [0, 1], KEYS[4:6]).wait()  # slots are virtual in a keyed store
+    have = {i for i in range(6) if s.exists([KEYS[i]])}
+    assert have == {0, 3, 4, 5}
+    assert len(page_files(tmp_path)) == 4 and s.status()["evicted"] == 2
+    s.close()
+
+
+def test_lru_order_and_bound_survive_a_restart(tmp_path: Path) -> None:
+    """Reopened with a smaller capacity, the store keeps the most recently used pages."""
+    s = dir_store(tmp_path, slots=4)
+    for i in range(4):  # one request each: distinct mtimes in write order
+        fill(s.host, [0], [i])
+        assert s.write([0], [i], [KEYS[i]]).wait()
+        os.utime(tmp_path / f"{KEYS[i].hex()}.page", (1_000_000 + i, 1_000_000 + i))
+    s.close()
+    s2 = dir_store(tmp_path, slots=2)
+    assert [i for i in range(4) if s2.exists([KEYS[i]])] == [2, 3]
+    s2.close()
+
+
+def test_refuses_symlinks_foreign_layouts_and_bad_places(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(ConfigError, match="symlink"):
+        dir_store(link)
+    with pytest.raises(ConfigError, match="does not exist"):
+        dir_store(tmp_path / "missing" / "l3")
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"")
+    with pytest.raises(ConfigError, match="not a directory"):
+        dir_store(afile)
+    dir_store(real).close()
+    (real / "FORMAT").write_text("hicache-dir-store 1\nbytes_per_page 12345\n")
+    with pytest.raises(ConfigError, match="another layout"):
+        dir_store(real)
+
+
+def test_a_symlink_named_like_a_page_is_not_followed(tmp_path: Path) -> None:
+    """A symlink planted under a page's name is removed at open; its target is untouched."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"x" * (G.bytes_per_page + TRAILER_BYTES))
+    store = tmp_path / "l3"
+    dir_store(store).close()
+    (store / f"{KEYS[0].hex()}.page").symlink_to(victim)
+    s = dir_store(store)
+    assert s.exists(KEYS[:1]) == 0 and not (store / f"{KEYS[0].hex()}.page").is_symlink()
+    assert victim.read_bytes() == b"x" * (G.bytes_per_page + TRAILER_BYTES)
+    s.close()
+
+
+def test_unenterable_directory_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PermissionError on the way in (a directory we may not enter) is a ConfigError."""
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    if os.geteuid() == 0:  # root enters anything: emulate the kernel's answer
+        real_open = os.open
+
+        def refusing(path: object, flags: int, *args: object, **kw: object) -> int:
+            if str(path).startswith(str(locked)):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, flags, *args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "open", refusing)
+    else:
+        locked.chmod(0)
+    with pytest.raises(ConfigError, match="permission denied"):
+        dir_store(locked / "l3")

@@ -1,0 +1,270 @@
+"""The asynchronous L3 face (``StoreMover``): deadlines, stragglers, bounded close, read
+priority, keyed requests, ``exists`` and degraded stores; and ``open_storage``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.backends.faults import FaultInjector
+from hicache.backends.pools import HostPool
+from hicache.backends.stores import PageStatus, StoreMover, open_storage
+from hicache.backends.stores.base import Op
+from hicache.errors import ConfigError, MisuseError
+from tests.backends.store_helpers import KEYS, G, dir_store, eventually, fill, page_bytes
+
+
+def file_store(**kw: Any) -> StoreMover:
+    host = HostPool(G, 8)
+    host.bytes.copy_(torch.randint(0, 256, host.bytes.shape, dtype=torch.uint8))
+    return open_storage("file", G, host, slots=8, **kw)
+
+
+def test_file_store_round_trip_through_open_storage() -> None:
+    """The default store moves pages bit-exactly, scattered on both sides."""
+    s = file_store()
+    want = s.host.bytes[[0, 3, 4]].clone()
+    assert s.write([0, 3, 4], [7, 2, 3]).wait()
+    assert s.read([7, 2, 3], [1, 5, 6]).wait()
+    assert torch.equal(s.host.bytes[[1, 5, 6]], want)
+    assert not s.keyed and not s.shared and s.exists(KEYS[:2]) == 0
+    s.close()
+
+
+def test_a_hung_read_fails_at_its_deadline_and_holds_its_pages_until_it_returns() -> None:
+    """Past its deadline a read fails (``expired``); the pages its running I/O touches are
+    listed as held and the ticket is not settled; once the I/O returns, ``reap`` lists it
+    once, settled."""
+    s = file_store(deadline_s=0.2, deadline_s_per_gib=0.0, workers=1)
+    assert s.write([0, 1], [0, 1]).wait()
+    s.faults.add("hang", op="read")
+    t = s.read([0, 1], [4, 5])
+    assert t.wait() is False and t.expired and t.error is not None and "deadline" in t.error
+    assert sorted(t.held_host_pages) == [4, 5] and sorted(t.held_slots) == [0, 1]
+    assert not t.settled and s.reap() == []
+    s.faults.release()
+    got: list[Any] = []
+
+    def reaped() -> bool:
+        got.extend(s.reap())
+        return bool(got)
+
+    assert eventually(reaped)
+    assert got == [t] and [x.settled for x in got] == [True] and s.reap() == []
+    s.close()
+
+
+def test_chunks_not_started_by_the_deadline_never_start() -> None:
+    """Only the chunk that was running is held; the queued ones are skipped and never
+    touch their destination pages."""
+    s = file_store(deadline_s=0.2, deadline_s_per_gib=0.0, workers=1, chunk_pages=1)
+    assert s.write([0, 1, 2], [0, 1, 2]).wait()
+    s.host.bytes[5:8].fill_(7)
+    s.faults.add("hang", op="read")
+    t = s.read([0, 1, 2], [5, 6, 7])
+    assert t.wait() is False
+    assert t.held_host_pages == [5] and t.statuses[1:] == [PageStatus.SKIPPED] * 2
+    s.faults.release()
+    assert eventually(lambda: bool(s.reap()))
+    assert s.read([0], [0]).wait()  # the worker has moved on past the skipped chunks
+    assert bool((s.host.bytes[6:8] == 7).all())
+    s.close()
+
+
+def test_close_returns_with_a_hung_io_and_the_store_closes_when_it_ends() -> None:
+    """close(wait=True) is bounded by close_timeout_s even when an I/O never returns; the
+    unfinished request fails; the file is closed only once the straggler is gone."""
+    s = file_store(close_timeout_s=0.2)
+    store: Any = s.store
+    s.faults.add("hang", op="write")
+    t = s.write([0], [0])
+    closer = threading.Thread(target=s.close)
+    closer.start()
+    closer.join(60)  # a liveness bound: close must not wait for the hung write
+    assert not closer.is_alive()
+    assert t.wait() is False and t.expired and not store.file.closed
+    s.faults.release()
+    assert eventually(lambda: bool(store.file.closed))
+
+
+def test_close_without_wait_cancels_queued_work() -> None:
+    s = file_store(workers=1)
+    s.faults.add("hang", op="write")
+    first = s.write([0], [0])
+    queued = s.write([1], [1])
+    s.close(wait=False)
+    assert queued.wait() is False and queued.statuses == [PageStatus.SKIPPED]
+    assert first.wait() is False
+    s.faults.release()
+    with pytest.raises(ConfigError, match="closed"):
+        s.write([0], [0])
+
+
+def test_reads_go_before_queued_writes() -> None:
+    """With the one I/O thread busy, a read queued after a write is served first."""
+    s = file_store(workers=1)
+    s.faults.add("hang", op="write")
+    blocker = s.write([0], [0])
+    assert eventually(lambda: s.faults.hanging == 1)
+    later_write = s.write([1], [1])
+    read = s.read([2], [2])
+    s.faults.release()
+    assert blocker.wait() and later_write.wait() and read.wait() is False  # slot 2 never written
+    assert read.finished_at is not None and later_write.finished_at is not None
+    assert read.finished_at < later_write.finished_at
+    s.close()
+
+
+def test_keyed_requests_need_well_formed_keys(tmp_path: Path) -> None:
+    s = dir_store(tmp_path)
+    for keys in (None, KEYS[:1], [b"short", KEYS[1]], ["0" * 32, KEYS[1]]):
+        with pytest.raises(MisuseError):
+            s.write([0, 1], [0, 1], keys)  # type: ignore[arg-type]
+    s.close()
+
+
+class FakeRemote:
+    """A remote PageStore whose ``exists`` can be made to hang."""
+
+    kind = "fake"
+    keyed = True
+    shared = True
+    remote = True
+
+    def __init__(self, available: bool = True) -> None:
+        self.available = available
+        self.gate = threading.Event()
+        self.gate.set()
+        self.calls = 0
+
+    def plan(self, op: Op, host_pages: Sequence[int], slots: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
+        return [(0, len(slots))], 1
+
+    def put(self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None) -> list[PageStatus]:
+        return [PageStatus.OK] * len(slots)
+
+    def get(self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None) -> list[PageStatus]:
+        return [PageStatus.MISSING] * len(slots)
+
+    def exists(self, keys: Sequence[bytes]) -> int:
+        self.calls += 1
+        self.gate.wait(60)
+        return len(keys)
+
+    def close(self) -> None:
+        self.gate.set()
+
+    def status(self) -> dict[str, Any]:
+        return {"error": None if self.available else "down"}
+
+
+def test_exists_on_a_remote_store_is_bounded_in_keys_and_time() -> None:
+    """At most ``exists_pages`` keys per call; a hung call answers 0 after the timeout,
+    and later calls answer 0 at once (no pile-up) until it returns."""
+    fake = FakeRemote()
+    s = StoreMover(fake, HostPool(G, 2), slots=8, exists_pages=3, exists_timeout_s=0.1)
+    assert s.exists(KEYS[:10]) == 3
+    fake.gate.clear()
+    assert s.exists(KEYS[:2]) == 0
+    assert s.exists(KEYS[:2]) == 0 and fake.calls == 2  # the second did not reach the store
+    fake.gate.set()
+    assert eventually(lambda: s.exists(KEYS[:2]) == 2)
+    assert fake.calls == 3  # no stale call queued behind the hung one ran later
+    assert s.status()["exists_timeouts"] >= 2
+    s.close()
+
+
+def test_an_unavailable_store_degrades_to_no_l3() -> None:
+    """Requests fail at once (counted), exists answers 0; nothing raises."""
+    s = StoreMover(FakeRemote(available=False), HostPool(G, 2), slots=8)
+    t = s.read([0], [0], KEYS[:1])
+    assert t.ok is False and t.error is not None and "unavailable" in t.error
+    assert s.exists(KEYS[:1]) == 0 and not s.available
+    assert s.status()["unavailable"] == 1
+    s.close()
+
+
+def test_a_read_of_pages_gone_from_a_shared_store_is_lost() -> None:
+    s = StoreMover(FakeRemote(), HostPool(G, 2), slots=8)
+    t = s.read([0, 1], [0, 1], KEYS[:2])
+    assert t.wait() is False and t.lost and s.status()["lost_pages"] == 2
+    s.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "kw", "match"),
+    [
+        ("nfs", {}, "storage backend must be one of"),
+        ("file", {"extra": {"fsync": True}}, "no extra config"),
+        ("dir", {}, "needs a path"),
+        ("dir", {"path": "P", "extra": {"fsnc": False}}, "unknown keys"),
+        ("dir", {"path": "P", "extra": {"fsync": "no"}}, "must be a bool"),
+        ("dir", {"path": "P", "direct": True}, "direct"),
+        ("dir", {"path": "P", "workers": 0}, "workers"),
+        ("dir", {"path": "P", "deadline_s": -1.0}, "deadline_s"),
+        ("dir", {"path": "P", "chunk_pages": 0}, "chunk_pages"),
+        ("mooncake", {"extra": {}}, "master_server_address"),
+        ("mooncake", {"extra": {"master_server_address": "nohost"}}, "host:port"),
+        ("mooncake", {"extra": {"master_server_address": "h:1", "protocol": "udp"}}, "protocol"),
+        ("mooncake", {"extra": {"master_server_address": "h:1", "global_segment_size": "lots"}}, "size"),
+        ("mooncake", {"extra": {"master_server_address": "h:1", "masterr": 1}}, "unknown keys"),
+        ("mooncake", {"path": "P", "extra": {"master_server_address": "h:1"}}, "no path"),
+    ],
+)
+def test_bad_configuration_is_refused_before_anything_opens(
+    tmp_path: Path, kind: str, kw: dict[str, Any], match: str
+) -> None:
+    """Every bad setting is a ConfigError raised before a file, directory or thread exists."""
+    kw = {k: (tmp_path / "l3" if v == "P" else v) for k, v in kw.items()}
+    threads = threading.active_count()
+    with pytest.raises(ConfigError, match=match):
+        open_storage(kind, G, HostPool(G, 2), slots=4, **kw)
+    assert not (tmp_path / "l3").exists() and threading.active_count() == threads
+
+
+def test_a_failure_after_opening_closes_what_was_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the mover cannot start, the directory store it opened is closed (unlocked)."""
+
+    def broken(self: StoreMover, *args: Any, **kw: Any) -> None:
+        raise RuntimeError("no threads")
+
+    with monkeypatch.context() as m:
+        m.setattr(StoreMover, "__init__", broken)
+        with pytest.raises(RuntimeError):
+            dir_store(tmp_path)
+    dir_store(tmp_path).close()  # not locked any more
+
+
+def test_page_statuses_and_counters_on_a_mixed_write(tmp_path: Path) -> None:
+    s = dir_store(tmp_path, faults=FaultInjector())
+    fill(s.host, [0, 1], [0, 1])
+    assert s.write([0], [0], KEYS[:1]).wait()
+    t = s.write([0, 1], [0, 1], KEYS[:2])
+    assert t.wait() and t.statuses == [PageStatus.EXISTS, PageStatus.OK]
+    assert s.read([0, 1], [2, 3], KEYS[:2]).wait()
+    assert torch.equal(s.host.bytes[3], page_bytes(1))
+    st = s.status()
+    assert (st["writes"], st["reads"], st["pages_already_stored"], st["pages"]) == (2, 1, 1, 2)
+    s.close()
+
+
+def test_status_is_json_serializable(tmp_path: Path) -> None:
+    import json
+
+    for s in (file_store(), dir_store(tmp_path)):
+        json.dumps(s.status())
+        s.close()
+
+
+def test_deadline_grows_with_the_request_size() -> None:
+    """A request's deadline is deadline_s plus deadline_s_per_gib per GiB it moves."""
+    s = file_store(deadline_s=1.0, deadline_s_per_gib=2**30 / G.bytes_per_page)  # 1 s per page
+    t = s.write([0, 1, 2], [0, 1, 2])
+    assert t.deadline - t.started == pytest.approx(4.0)
+    assert t.wait()
+    s.close()
