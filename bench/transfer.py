@@ -101,9 +101,14 @@ class Setup:
         self.l2 = HostPool(g, 2 * top + 8, pin=self.cuda)
         self.engines: dict[str, TransferEngine] = {
             "default": TransferEngine(self.l1, self.l2, backend),  # type: ignore[arg-type]
-            "ring": TransferEngine(self.l1, self.l2, backend, direct_max_bytes=0, min_run_bytes=0),  # type: ignore[arg-type]
+            "ring": TransferEngine(self.l1, self.l2, backend, direct_max_bytes=0, min_run_bytes=0, copy_max_pages=0),  # type: ignore[arg-type]
         }
-        direct = TransferEngine(self.l1, self.l2, backend, direct_max_bytes=1 << 62, min_run_bytes=1 << 62)  # type: ignore[arg-type]
+        copy = TransferEngine(self.l1, self.l2, backend, copy_max_pages=1 << 30)  # type: ignore[arg-type]
+        if copy.copy_usable:
+            self.engines["copy"] = copy
+        direct = TransferEngine(
+            self.l1, self.l2, backend, direct_max_bytes=1 << 62, min_run_bytes=1 << 62, copy_max_pages=0  # type: ignore[arg-type]
+        )
         if direct.direct_usable:
             self.engines["direct"] = direct
         for engine in self.engines.values():  # memory, autotune and compiles outside the timings

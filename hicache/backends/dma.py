@@ -11,6 +11,7 @@ dependency: :data:`AVAILABLE` says whether it is installed and usable here.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -75,6 +76,34 @@ def copy_rows_host(dst: int, dpitch: int, src: int, spitch: int, width: int, row
     on a machine without CUDA, so its address arithmetic runs in CPU tests)."""
     for r in range(rows):
         ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+
+def copy_pages(
+    dst: int,
+    dpage: int,
+    dpitch: int,
+    src: int,
+    spage: int,
+    spitch: int,
+    width: int,
+    rows: int,
+    pairs: Sequence[tuple[int, int]],
+    stream: Any,
+) -> None:
+    """One strided DMA per ``(dst_page, src_page)`` pair: ``rows`` rows of ``width`` bytes,
+    page ``i`` of a side starting ``i * page`` bytes past its base and its rows ``pitch``
+    apart (direction by unified addressing). Between the L1 pool (a page is one row per
+    layer and K/V, a slab apart) and page-major L2 this moves pages on the copy engine
+    alone: no kernel, no workspace. ``stream`` None: a host copy (CPU, for tests)."""
+    if stream is None:
+        for d, s in pairs:
+            copy_rows_host(dst + d * dpage, dpitch, src + s * spage, spitch, width, rows)
+        return
+    memcpy, handle = _rt.cudaMemcpy2DAsync, stream.cuda_stream
+    for d, s in pairs:
+        (err,) = memcpy(dst + d * dpage, dpitch, src + s * spage, spitch, width, rows, _ANY, handle)
+        if err != _OK:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed: {err!r}")
 
 
 def copy_raw(dst: int, src: int, nbytes: int, stream: Any) -> None:

@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 TransferBackend = Literal["auto", "triton", "torch"]
 FencePolicy = Literal["wait", "raise"]
-Path = Literal["direct", "ring", "layered"]
+Path = Literal["copy", "direct", "ring", "layered"]
 Copy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 GATHER: dict[str, Copy] = {"torch": kernels.gather_torch, "triton": kernels.gather_triton}
@@ -78,6 +78,9 @@ CHUNKS = 4
 # cost of the gather + DMA + events dominates. bench/transfer.py measures both paths per
 # size on the GPU ("direct" and "ring" columns); set from there.
 DIRECT_MAX_BYTES = 16 << 20
+# Up to this many pages a transfer goes on the copy engine alone, one strided DMA per page
+# (cuda-python). bench/transfer.py measures it ("copy" column) against the other paths.
+COPY_MAX_PAGES = 64
 # torch.cuda's Stream and Event constructors are unannotated; use them through Any.
 _Stream: Any = torch.cuda.Stream
 _Event: Any = torch.cuda.Event
@@ -232,6 +235,7 @@ class TransferEngine:
         chunk_bytes: int = CHUNK_BYTES,
         chunks: int = CHUNKS,
         direct_max_bytes: int = DIRECT_MAX_BYTES,
+        copy_max_pages: int | None = None,
         fences: FencePolicy = "wait",
     ) -> None:
         if backend not in ("auto", "triton", "torch"):
@@ -278,6 +282,12 @@ class TransferEngine:
         self.direct_usable = self.triton_usable and (
             backend != "torch" and l2.pinned if self.cuda else backend == "triton"
         )
+        # One strided DMA per page on the copy engine (cuda-python): no SMs, no workspace.
+        # On CPU only when asked for (tests of its address arithmetic).
+        if copy_max_pages is not None and copy_max_pages < 0:
+            raise ConfigError(f"copy_max_pages must be >= 0, got {copy_max_pages}")
+        self.copy_max_pages = (COPY_MAX_PAGES if self.cuda else 0) if copy_max_pages is None else copy_max_pages
+        self.copy_usable = self.copy_max_pages > 0 and (dma.AVAILABLE or not self.cuda)
         self.fence_policy: FencePolicy = fences
         self.gather_backend: str | None = None
         self.scatter_backend: str | None = None
@@ -286,7 +296,7 @@ class TransferEngine:
         self._ids: _Ids | None = None
         self._timers: list[tuple[Any, Any]] = []  # idle (start, end) timing events
         self._warm: set[tuple[Direction, Path]] = set()  # paths past their first (cold) transfer
-        self.paths: dict[str, int] = {"direct": 0, "ring": 0, "layered": 0}
+        self.paths: dict[str, int] = {"copy": 0, "direct": 0, "ring": 0, "layered": 0}
         self.allocation_failures = 0
 
     # -- backend choice ----------------------------------------------------------------------
@@ -489,7 +499,8 @@ class TransferEngine:
         self._order(dst_fences, dst, write=True)
         path, runs = self._plan(n, l2_pages, events is not None and self.layered)
         try:
-            self._setup(path)
+            if path != "copy":
+                self._setup(path)
             path = self._issue(ticket, path, d2h, l1_pages, l2_pages, runs, events)
         except _AllocationFailed as exc:
             self.allocation_failures += 1
@@ -513,6 +524,8 @@ class TransferEngine:
 
     def _plan(self, n: int, l2_pages: Sequence[int], layered: bool) -> tuple[Path, list[tuple[int, int]]]:
         nbytes = n * self.bytes_per_page
+        if not layered and self.copy_usable and n <= self.copy_max_pages:
+            return "copy", []
         if not layered and self.direct_usable and nbytes <= self.direct_max_bytes:
             return "direct", []
         runs = page_runs(l2_pages)
@@ -548,6 +561,8 @@ class TransferEngine:
         events: Sequence[Any] | None,
     ) -> Path:
         """Queue the copies (CPU: run them); returns the path taken, attaches the check."""
+        if path == "copy":
+            return self._issue_copy(ticket, d2h, l1_pages, l2_pages, events)
         assert self._ids is not None
         n = len(l1_pages)
         zero_copy = path == "direct" or (path == "layered" and len(runs) > 1 and self.direct_usable)
@@ -583,6 +598,46 @@ class TransferEngine:
         fault = self.faults.take("write" if d2h else "read", ("fail", "slow"))
         ticket.bind(self._checker(ticket, timer, fault.kind if fault else None, fault.delay_s if fault else 0.0))
         return path
+
+    def _issue_copy(
+        self,
+        ticket: DeviceTicket,
+        d2h: bool,
+        l1_pages: Sequence[int],
+        l2_pages: Sequence[int],
+        events: Sequence[Any] | None,
+    ) -> Path:
+        """The copy path: one strided DMA per page between L1 and L2 (:func:`dma.copy_pages`).
+
+            L1  [2*layers, pages, E]:  page p = 2*layers rows of E elements, a slab apart
+            L2  [pages, 2*layers, E]:  page q = the same rows, contiguous
+        """
+        g = self.geometry
+        width = g.page_elements * self.l1.buffer.element_size()
+        rows = 2 * g.num_layers
+        l1 = (self.l1.slabs.data_ptr(), width, self.l1.num_pages * width)  # base, page step, row pitch
+        l2 = (self.l2.slabs.data_ptr(), rows * width, width)
+        (dst, dpage, dpitch), (src, spage, spitch) = (l2, l1) if d2h else (l1, l2)
+        pairs = list(zip(l2_pages, l1_pages, strict=True) if d2h else zip(l1_pages, l2_pages, strict=True))
+        timer = self._timer() if self.cuda else None
+        t = time.perf_counter()
+        if timer is not None:
+            self._wait_caller()
+            with torch.cuda.stream(self.stream):
+                timer[0].record(self.stream)
+                try:
+                    dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, self.stream)
+                    for event in {id(e): e for e in events or ()}.values():  # every layer lands with the last page
+                        event.record(self.stream)
+                finally:
+                    timer[1].record(self.stream)
+            ticket.event, ticket.stream = timer[1], self.stream
+        else:
+            dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, None)
+            ticket.timings.service_s = time.perf_counter() - t
+        fault = self.faults.take("write" if d2h else "read", ("fail", "slow"))
+        ticket.bind(self._checker(ticket, timer, fault.kind if fault else None, fault.delay_s if fault else 0.0))
+        return "copy"
 
     def _checker(
         self, ticket: DeviceTicket, timer: tuple[Any, Any] | None, fault: str | None, delay: float
@@ -812,6 +867,8 @@ class TransferEngine:
             "autotune_ms": dict(self.autotune_ms),
             "direct": self.direct_usable,
             "direct_max_bytes": self.direct_max_bytes,
+            "copy": self.copy_usable,
+            "copy_max_pages": self.copy_max_pages,
             "chunk_pages": self.chunk_pages,
             "chunks": self.chunks,
             "chunk_bytes": self.chunk_pages * bpp,

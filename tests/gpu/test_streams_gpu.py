@@ -155,7 +155,7 @@ def test_h2d_does_not_overwrite_pages_the_caller_still_reads(
         ticket = s.engine.h2d(list(range(20, 20 + s.pages)), s.ids(), layer_events=events)
         ticket.wait_on_current_stream()
     torch.cuda.synchronize()
-    assert ticket.ok and (path != "layered" or s.engine.status()["paths"]["layered"] == 2)
+    assert ticket.wait() and (path != "layered" or s.engine.status()["paths"]["layered"] == 2)
     assert torch.equal(s.l1.buffer[:, :, s.span].cpu(), s.l2.buffer[:, :, 20 : 20 + s.pages])
     judge(torch.equal(s.snapshot, old), wait)
 
