@@ -73,6 +73,7 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
     sources: list[str] = []
     total = 2 * (args.warmup + args.iterations)
     cache_s = 0.0
+    walks = 0  # root-to-leaf tree walks inside the timed requests (counted by the tree)
     for i in tqdm(range(total), desc=f"{tier} {prefix}", leave=False, disable=None):
         prompt = prefixes[i % 2] + [rng.randrange(vocab) for _ in range(args.suffix_tokens)]
         engine.cache.drain()  # write-through finished before this request arrives
@@ -80,7 +81,9 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
             burst(args.device)  # same for every tier: the drain idles the GPU, clocks drop
         before = engine.stats.cache_s
         timer.on = i >= 2 * args.warmup
+        walked = engine.cache.core.tree.walks
         out = engine.generate(prompt, max_new_tokens=args.max_new_tokens)
+        walked = engine.cache.core.tree.walks - walked
         timer.on = False
         check.observe(engine, i % 2, prompt, prefix // ps, out)
         if i >= 2 * args.warmup:
@@ -89,6 +92,7 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
             prefills.append(out.prefill_s)
             sources.append(served_from(out))
             cache_s += engine.stats.cache_s - before
+            walks += walked
         outputs.append(out.tokens)
     m = engine.cache.metrics
     engine.cache.check_integrity()
@@ -98,6 +102,7 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         "ttft_ms": statistics.median(ttft) * 1e3,
         "cache_ms": cache_s / len(ttft) * 1e3,  # all hicache calls (the engine's own count)
         **timer.per_request_ms(len(ttft)),  # bookkeeping_ms: the same without issuing copies
+        "tree_walks_per_request": walks / len(ttft),
         # TTFT's parts (medians): the restore's wait, the prefill forward, and the rest
         # (hicache calls before the forward, polling, scheduling)
         "restore_wait_ms": statistics.median(waits) * 1e3,
@@ -181,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"{'prefix':>7} {'tier':>5} {'TTFT ms':>9} {'speed-up':>8} {'bookkeep':>8} {'issue':>6} {'pages ok':>9} "
-        f"{'greedy≠':>7} {'wait':>6} {'fwd':>6}  prompt KV from / bandwidth GiB/s"
+        f"{'greedy≠':>7} {'wait':>6} {'fwd':>6} {'walks':>5}  prompt KV from / bandwidth GiB/s"
     )
     for r in rows:
         bw = " ".join(f"{d}={v:.1f}" for d, v in r["gib_per_s"].items())
@@ -191,13 +196,15 @@ def main(argv: list[str] | None = None) -> None:
         ok = f"{r['restores_checked'] - r['page_mismatches']}/{r['restores_checked']}"
         print(
             f"{r['prefix_tokens']:>7} {r['tier']:>5} {r['ttft_ms']:>9.2f} {r['speedup']:>7.2f}x {share:>8.2%} "
-            f"{issue:>6.2%} {ok:>9} {diff!s:>7} {r['restore_wait_ms']:>6.2f} {r['prefill_ms']:>6.2f}  "
+            f"{issue:>6.2%} {ok:>9} {diff!s:>7} {r['restore_wait_ms']:>6.2f} {r['prefill_ms']:>6.2f} "
+            f"{r['tree_walks_per_request']:>5.1f}  "
             f"{r['sources']} {bw}"
         )
     print("bookkeep: host time in hicache calls per request, less issuing copies (issue), / recompute TTFT;")
     print("pages ok: restored prefixes whose pages hash (xxh3) equal to the pages as computed;")
     print("greedy≠: outputs differing from recompute;")
-    print("wait: ms from the restore's start until a poll saw it published; fwd: ms of the prefill forward")
+    print("wait: ms from the restore's start until a poll saw it published; fwd: ms of the prefill forward;")
+    print("walks: root-to-leaf tree walks per request (counted)")
     plot_latency(rows, {**meta, "device": device, "date": meta_date(stem)}, stem)
     print(f"wrote {stem}.json and .png")
 
