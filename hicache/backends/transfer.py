@@ -80,7 +80,7 @@ CHUNKS = 4
 DIRECT_MAX_BYTES = 16 << 20
 # Up to this many pages a transfer goes on the copy engine alone, one strided DMA per page
 # (cuda-python). bench/transfer.py measures it ("copy" column) against the other paths.
-COPY_MAX_PAGES = 64
+COPY_MAX_PAGES = 32
 # torch.cuda's Stream and Event constructors are unannotated; use them through Any.
 _Stream: Any = torch.cuda.Stream
 _Event: Any = torch.cuda.Event

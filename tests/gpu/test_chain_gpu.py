@@ -35,7 +35,7 @@ def pools() -> tuple[DevicePool, HostPool]:
 def test_the_readme_chain_restores_the_saved_pages(direct_max_bytes: int) -> None:
     """With a storage backend that honours the L2 fences (tests/backends/fenced_storage.py)."""
     l1, l2 = pools()
-    xfer = TransferEngine(l1, l2, "triton", direct_max_bytes=direct_max_bytes)
+    xfer = TransferEngine(l1, l2, "triton", copy_max_pages=0, direct_max_bytes=direct_max_bytes)
     storage = FencedStorage(l2, 48)
     assert xfer.d2h([0], [0]).wait()  # warm
     want = l1.slabs[:, L1_SRC].transpose(0, 1).cpu()

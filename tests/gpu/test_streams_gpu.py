@@ -35,9 +35,10 @@ SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time
 PROVE = os.environ.get("HICACHE_PROVE_WAITS") == "1"
 G = KVGeometry(4, 2, 64, 16, torch.bfloat16)  # 32 KiB pages
 PATHS = {  # engine keyword arguments per path; "multi": 4 chunks of 2 pages for 8 pages
-    "direct": {"direct_max_bytes": 1 << 30},
-    "ring": {"direct_max_bytes": 0, "chunk_bytes": 64 * G.bytes_per_page},
-    "multi": {"direct_max_bytes": 0, "chunk_bytes": 2 * G.bytes_per_page, "chunks": 2},
+    "copy": {"copy_max_pages": 1 << 30},
+    "direct": {"copy_max_pages": 0, "direct_max_bytes": 1 << 30},
+    "ring": {"copy_max_pages": 0, "direct_max_bytes": 0, "chunk_bytes": 64 * G.bytes_per_page},
+    "multi": {"copy_max_pages": 0, "direct_max_bytes": 0, "chunk_bytes": 2 * G.bytes_per_page, "chunks": 2},
 }
 
 
@@ -106,7 +107,7 @@ class Scene:
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("path", ["direct", "ring", "multi"])
+@pytest.mark.parametrize("path", ["copy", "direct", "ring", "multi"])
 @pytest.mark.parametrize("wait", variants("wait_caller", "wait_join"))
 def test_d2h_reads_the_pages_the_caller_just_wrote(
     monkeypatch: pytest.MonkeyPatch, backend: TransferBackend, path: str, wait: str | None
@@ -129,7 +130,7 @@ def test_d2h_reads_the_pages_the_caller_just_wrote(
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("path", ["direct", "ring", "multi", "layered"])
+@pytest.mark.parametrize("path", ["copy", "direct", "ring", "multi", "layered"])
 @pytest.mark.parametrize("wait", variants("wait_caller"))
 def test_h2d_does_not_overwrite_pages_the_caller_still_reads(
     monkeypatch: pytest.MonkeyPatch, backend: TransferBackend, path: str, wait: str | None
@@ -160,7 +161,7 @@ def test_h2d_does_not_overwrite_pages_the_caller_still_reads(
     judge(torch.equal(s.snapshot, old), wait)
 
 
-@pytest.mark.parametrize("path", ["direct", "ring", "multi"])
+@pytest.mark.parametrize("path", ["copy", "direct", "ring", "multi"])
 @pytest.mark.parametrize("wait", variants("wait_on_current_stream"))
 def test_the_caller_reads_restored_pages_only_after_they_landed(
     monkeypatch: pytest.MonkeyPatch, path: str, wait: str | None

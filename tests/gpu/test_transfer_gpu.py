@@ -56,7 +56,7 @@ def test_cuda_round_trip_through_l3(backend: TransferBackend, page_size: int, fr
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
-@pytest.mark.parametrize("path", ["direct", "ring"])
+@pytest.mark.parametrize("path", ["copy", "direct", "ring"])
 @pytest.mark.parametrize("fragmented", [False, True])
 @pytest.mark.parametrize("n", [1, 5, 16, 37])
 def test_transfers_larger_than_the_ring_are_bit_exact(
@@ -69,7 +69,11 @@ def test_transfers_larger_than_the_ring_are_bit_exact(
     dev.buffer.copy_(torch.randn(dev.buffer.shape, device="cuda").to(g.dtype))
     host = HostPool(g, 96)
     host.page_buffer.copy_(torch.randn(host.page_buffer.shape).to(g.dtype))
-    kw: dict[str, Any] = {"direct_max_bytes": 1 << 30} if path == "direct" else {"direct_max_bytes": 0}
+    kw: dict[str, Any] = {
+        "copy": {"copy_max_pages": 1 << 30},
+        "direct": {"copy_max_pages": 0, "direct_max_bytes": 1 << 30},
+        "ring": {"copy_max_pages": 0, "direct_max_bytes": 0},
+    }[path]
     engine = TransferEngine(dev, host, backend, chunk_bytes=2 * g.bytes_per_page, chunks=4, min_run_bytes=0, **kw)
     rng = random.Random(n)
     src = rng.sample(range(96), n)
@@ -87,7 +91,7 @@ def test_transfers_larger_than_the_ring_are_bit_exact(
     assert torch.equal(dev.slabs[:, dst].transpose(0, 1).cpu(), want)
     keep = [p for p in range(96) if p not in dst]
     assert torch.equal(dev.slabs[:, keep], l1_before[:, keep])
-    expect = "ring" if path == "ring" or backend == "torch" else "direct"
+    expect = path if path != "direct" or backend != "torch" else "ring"
     assert engine.status()["paths"][expect] == 2
 
 
@@ -97,7 +101,9 @@ def test_transfer_device_memory_is_bounded_whatever_the_size() -> None:
     g = KVGeometry(4, 2, 64, 16, torch.bfloat16)
     dev = DevicePool.allocate(g, 300, "cuda")
     host = HostPool(g, 300)
-    engine = TransferEngine(dev, host, "triton", direct_max_bytes=0, chunk_bytes=4 * g.bytes_per_page, chunks=2)
+    engine = TransferEngine(
+        dev, host, "triton", copy_max_pages=0, direct_max_bytes=0, chunk_bytes=4 * g.bytes_per_page, chunks=2
+    )
     assert engine.d2h([0], [0]).wait() and engine.h2d([0], [1]).wait()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -117,7 +123,9 @@ def test_the_index_ring_wraps_under_many_transfers_in_flight(path: str) -> None:
     dev = DevicePool.allocate(g, 64, "cuda")
     dev.buffer.copy_(torch.randn(dev.buffer.shape, device="cuda").to(g.dtype))
     host = HostPool(g, 64)
-    engine = TransferEngine(dev, host, "triton", direct_max_bytes=(1 << 30) if path == "direct" else 0)
+    engine = TransferEngine(
+        dev, host, "triton", copy_max_pages=0, direct_max_bytes=(1 << 30) if path == "direct" else 0
+    )
     assert engine.d2h([0], [0]).wait()
     assert engine._ids is not None
     rounds = engine._ids.capacity // 8 + 8
@@ -138,7 +146,7 @@ def test_an_out_of_memory_fails_the_ticket_and_the_engine_goes_on(monkeypatch: p
     """The ring's allocation raising OutOfMemoryError fails the transfer (no exception);
     the next one allocates and works."""
     dev, host, engine = make(16, "triton")
-    engine.direct_max_bytes = 0
+    engine.direct_max_bytes = engine.copy_max_pages = 0
     real = torch.empty
 
     def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -162,8 +170,9 @@ def test_no_transfer_stages_through_pinned_memory() -> None:
     assert engine.status()["workspace_pinned_bytes"] == 0
 
 
+@pytest.mark.parametrize("copy_max_pages", [0, 1 << 30], ids=["kernels", "copy"])
 @pytest.mark.parametrize("direct_max_bytes", [0, 1 << 30], ids=["ring", "direct"])
-def test_offsets_are_64_bit(direct_max_bytes: int) -> None:
+def test_offsets_are_64_bit(direct_max_bytes: int, copy_max_pages: int) -> None:
     """A pool of more than 2**31 elements: pages past that point move correctly."""
     g = KVGeometry(2, 8, 128, 16, torch.bfloat16)  # 16 * 8 * 128 = 16384 elements per slab page
     pages = 2**31 // (4 * g.page_elements) + 64  # slabs * pages * E > 2**31
@@ -171,7 +180,7 @@ def test_offsets_are_64_bit(direct_max_bytes: int) -> None:
     last = [pages - 1, pages - 2]
     dev.buffer[:, :, last] = torch.randn(dev.buffer[:, :, last].shape, device="cuda").to(g.dtype)
     host = HostPool(g, 4)
-    engine = TransferEngine(dev, host, "triton", direct_max_bytes=direct_max_bytes)
+    engine = TransferEngine(dev, host, "triton", copy_max_pages=copy_max_pages, direct_max_bytes=direct_max_bytes)
     assert dev.buffer.numel() > 2**31
     assert engine.d2h(last, [0, 1]).wait()
     assert torch.equal(host.buffer[:, :, 0:2], dev.buffer[:, :, last].cpu())
