@@ -5,7 +5,7 @@ and a :class:`~hicache.core.controller.Controller`, and forwards the engine's ca
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +13,7 @@ import torch
 
 from hicache.backends.faults import FaultInjector
 from hicache.backends.pools import DevicePool, HostPool, validate_l1
-from hicache.backends.storage import StorageBackend, StorageFile
+from hicache.backends.stores import STORE_KINDS, PageStore, StoreMover, open_storage
 from hicache.backends.transfer import TransferBackend, TransferEngine
 from hicache.backends.verify import DigestVerifier
 from hicache.core.cache import CacheCore
@@ -27,6 +27,7 @@ from hicache.core.controller import (
 )
 from hicache.core.cost import CostModel, CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage, KVGeometry, TierSizes
+from hicache.core.keys import format_seed
 from hicache.core.metrics import Metrics
 from hicache.core.status import ControllerStatus
 from hicache.errors import ConfigError
@@ -45,9 +46,13 @@ class HiCacheConfig:
     l1_pages: int
     l2_pages: int = 0
     l3_pages: int = 0
-    storage_path: str | None = None  # None: an unnamed 0600 file that vanishes with us
+    storage_path: str | None = None  # file: None = an unnamed 0600 file that vanishes with us; dir: the directory
     storage_direct: bool = False
     storage_workers: int = 4
+    storage_backend: str = "file"  # file (default), dir (persistent), mooncake (shared)
+    storage_extra: Mapping[str, Any] | None = None  # dir: {"fsync": bool}; mooncake: SGLang's extra-config keys
+    storage_deadline_s: float | None = 10.0  # an L3 read or write past this (+10 s/GiB) fails; None: no deadline
+    model_id: str = ""  # the model's identity (name or checkpoint hash): seeds the page keys of dir/mooncake
     checksums: bool = True
     transfer_backend: TransferBackend = "auto"
     policy: Policy | str = Policy.COST
@@ -76,6 +81,22 @@ class HiCacheConfig:
             raise ConfigError(f"storage_workers must be an int >= 1, got {self.storage_workers!r}")
         if self.storage_path is not None and not isinstance(self.storage_path, (str, os.PathLike)):
             raise ConfigError(f"storage_path must be a path or None, got {self.storage_path!r}")
+        if self.storage_backend not in STORE_KINDS:
+            raise ConfigError(f"storage_backend must be one of {list(STORE_KINDS)}, got {self.storage_backend!r}")
+        if self.storage_extra is not None and not isinstance(self.storage_extra, Mapping):
+            raise ConfigError(f"storage_extra must be a mapping or None, got {self.storage_extra!r}")
+        deadline = self.storage_deadline_s
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < float("inf")
+        ):
+            raise ConfigError(f"storage_deadline_s must be a positive number of seconds or None, got {deadline!r}")
+        if not isinstance(self.model_id, str):
+            raise ConfigError(f"model_id must be a str, got {self.model_id!r}")
+        if self.l3_pages and self.storage_backend != "file" and not self.model_id:
+            raise ConfigError(
+                f"storage_backend {self.storage_backend!r} names pages by content: set model_id (the model's "
+                "name or checkpoint hash), so another model's pages never match"
+            )
         for name in ("storage_direct", "checksums", "tracing", "verify_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -113,9 +134,20 @@ class HiCache:
     L3 file, and a :class:`Controller` over them. Every call is the controller's (see
     :mod:`hicache.core.controller` for the contract)."""
 
-    def __init__(self, config: HiCacheConfig, l1_buffer: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        l1_buffer: torch.Tensor | None = None,
+        *,
+        store: Callable[[HostPool], PageStore] | None = None,
+    ) -> None:
+        """``store``: makes an L3 page store of your own (a :class:`PageStore`) over the L2
+        pool, used in place of the configured ``storage_backend``; ``config.l3_pages`` is
+        then its budget in the tree (a keyed store needs ``config.model_id``)."""
         if not isinstance(config, HiCacheConfig):
             raise ConfigError(f"config must be a HiCacheConfig, got {type(config).__name__}")
+        if store is not None and not callable(store):
+            raise ConfigError("store must be a callable that takes the L2 pool and returns a PageStore")
         g = config.geometry
         if l1_buffer is not None:
             _check_l1_buffer(config, l1_buffer)
@@ -132,16 +164,33 @@ class HiCache:
             pages = f"{config.l1_pages}/{config.l2_pages} pages"
             raise ConfigError(f"cannot allocate the L1/L2 pools ({pages}): {exc}") from exc
         self.device = TransferEngine(self.l1, self.l2, config.transfer_backend, faults=self.faults)
-        storage = None
-        if config.l3_pages:
-            file = StorageFile(g, config.l3_pages, config.storage_path, direct=config.storage_direct)
-            try:
-                storage = StorageBackend(
-                    file, self.l2, workers=config.storage_workers, checksums=config.checksums, faults=self.faults
-                )
-            except BaseException:
-                file.close()
-                raise
+        storage: StoreMover | None = None
+        if config.l3_pages and store is not None:
+            custom = store(self.l2)
+            if custom.keyed and not config.model_id:
+                raise ConfigError("a keyed store names pages by content: set config.model_id")
+            storage = StoreMover(
+                custom,
+                self.l2,
+                slots=config.l3_pages,
+                workers=config.storage_workers,
+                deadline_s=config.storage_deadline_s,
+                faults=self.faults,
+            )
+        elif config.l3_pages:
+            storage = open_storage(
+                config.storage_backend,
+                g,
+                self.l2,
+                slots=config.l3_pages,
+                path=config.storage_path,
+                extra=config.storage_extra,
+                workers=config.storage_workers,
+                checksums=config.checksums,
+                direct=config.storage_direct,
+                faults=self.faults,
+                deadline_s=config.storage_deadline_s,
+            )
         self.storage = storage
         self.core = CacheCore(
             g.page_size, TierSizes(config.l1_pages, config.l2_pages, config.l3_pages), tracing=config.tracing
@@ -154,6 +203,7 @@ class HiCache:
             write_policy=config.write_policy,
             selective_hits=config.selective_hits,
             verifier=DigestVerifier(self.l1, self.l2) if config.verify_pages else None,
+            key_seed=format_seed(config.model_id, g) if config.model_id else None,
         )
 
     # -- the controller's calls ------------------------------------------------------------

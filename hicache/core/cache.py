@@ -28,6 +28,7 @@ from typing import cast
 
 from hicache.core.allocator import PageAllocator
 from hicache.core.geometry import DevicePage, HostPage, StorageSlot, TierSizes
+from hicache.core.keys import page_keys
 from hicache.core.node import Lease, Node, Transfer
 from hicache.core.status import CoreStatus, TierStatus
 from hicache.core.tokens import as_tokens
@@ -450,6 +451,124 @@ class CacheCore:
         if after is RunState.EMPTY:
             self.tree.remove(node)
         return len(pages)
+
+    # -- a shared L3: what the store holds behind our back ---------------------------------------
+
+    def page_keys(self, node: Node, seed: bytes) -> list[bytes]:
+        """The content keys of ``node``'s pages (:mod:`hicache.core.keys`), computed once per
+        run from its parent's last key and kept on the run (a split divides them)."""
+        path: list[Node] = []
+        n: Node | None = node
+        while n is not None and n.parent is not None and n.keys is None:
+            path.append(n)
+            n = n.parent
+        parent = seed if n is None or n.parent is None else n.keys[-1]  # type: ignore[index]
+        for m in reversed(path):
+            m.keys = page_keys(parent, m.key, self.page_size)
+            parent = m.keys[-1]
+        return node.keys or []
+
+    def discover(self, tokens: tuple[int, ...], pages: int, keys: Sequence[bytes] | None = None) -> TierMatch:
+        """Record that a shared store holds the first ``pages`` pages of ``tokens``: each run
+        on that path without an L3 copy gets one (fresh L3 slots; a ``discover`` each), and
+        the part past the tree becomes a new run known only in L3. Stops, keeping what it
+        recorded, at a run that refuses (an H2S in flight) or where L3 has no room. ``keys``
+        (the pages' content keys) are kept on the runs. Returns the L3 match of the path.
+
+            tokens  [0 ........................ pages*ps) ...
+            tree    [L3 | no L3 (discovered) | ... ]  [new run, REMOTE -> L3]
+        """
+        tree, ps = self.tree, self.page_size
+        limit = min(pages * ps, len(tokens) - len(tokens) % ps)
+        tree.walks += 1
+        node, i = tree.root, 0
+        targets: list[tuple[Node, int]] = []  # runs without L3 on the path, and where they start
+        deepest_l3: Node | None = None
+        while i < limit:
+            child = node.children.get(tokens[i : i + ps])
+            if child is None:
+                break
+            k = min(tree.common(child.key, tokens, i), limit - i)
+            if child.pages[Tier.L3] is None and not tree.allows(child, Event.DISCOVER):
+                limit = i  # a backup to L3 is in flight there: the rest waits for it
+                break
+            if k < len(child.key) and (child.pages[Tier.L3] is None or i + k < limit):
+                tree.split(child, k)
+                child = node.children[tokens[i : i + ps]]
+            if child.pages[Tier.L3] is None:
+                targets.append((child, i))
+            elif not targets:
+                deepest_l3 = child
+            node, i = child, i + k
+        tail = (node, i) if i < limit else None
+        need = sum(len(n.key) for n, _ in targets) // ps + (0 if tail is None else (limit - i) // ps)
+        if need and self.l3.num_free < need:
+            pin = None if deepest_l3 is None else tree.lock_node(deepest_l3, Tier.L3)
+            try:
+                self.ensure_free(Tier.L3, need)
+            finally:
+                if pin is not None:
+                    tree.release(pin)
+        if need and self.l3.num_free < need:  # no room: record nothing past what L3 holds
+            return self._l3_match(deepest_l3, tokens)
+        slots: list[int] = list(self.l3.allocate(need) or [])
+        last = deepest_l3
+        at = 0
+        for n, start in targets:
+            width = len(n.key) // ps
+            before = n.state
+            after = tree.expect(n, Event.DISCOVER)
+            tree.publish(n, Tier.L3, slots[at : at + width])
+            if keys is not None and n.keys is None and len(keys) >= (start // ps) + width:
+                n.keys = list(keys[start // ps : start // ps + width])
+            if before is not None:
+                tree.record(n, before, Event.DISCOVER, after)
+            at += width
+            last = n
+        if tail is not None:
+            parent, start = tail
+            new = tree.new_node(tokens[start:limit], parent)
+            after = tree.expect_from(RunState.REMOTE, Event.DISCOVER)
+            tree.publish(new, Tier.L3, slots[at:])
+            if keys is not None and len(keys) >= limit // ps:
+                new.keys = list(keys[start // ps : limit // ps])
+            tree.record(new, RunState.REMOTE, Event.DISCOVER, after)
+            last = new
+        return self._l3_match(last, tokens)
+
+    def _l3_match(self, node: Node | None, tokens: tuple[int, ...]) -> TierMatch:
+        if node is None:
+            return TierMatch(Tier.L3, 0, self.tree.root, 0)
+        return TierMatch(Tier.L3, self.tree.depth_tokens(node), node, node.version[Tier.L3])
+
+    def lose(self, node: Node) -> int:
+        """Forget the L3 copies of ``node`` and every run below it (a shared store no longer
+        has them; what is below a lost page is unreachable). Returns the L3 slots freed.
+        Raises TransitionRefused, changing nothing, if any of them is pinned in L3 or read."""
+        if not node.alive or node.pages[Tier.L3] is None:
+            raise TransitionRefused(f"{node!r} has no L3 copy to lose")
+        runs: list[Node] = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.pages[Tier.L3] is not None:
+                runs.append(n)
+                stack.extend(n.children.values())
+        for n in runs:
+            if n.refs[Tier.L3] or not self.tree.allows(n, Event.LOSE):
+                raise TransitionRefused(f"cannot lose the L3 copy of {n!r}: pinned or being read")
+        freed = 0
+        for n in reversed(runs):  # deepest first: a parent is removable once its children are
+            before = n.state
+            assert before is not None
+            after = self.tree.expect(n, Event.LOSE)
+            pages = self.tree.drop(n, Tier.L3)
+            self._alloc[Tier.L3].free(pages)
+            self.tree.record(n, before, Event.LOSE, after)
+            freed += len(pages)
+            if after is RunState.EMPTY and not n.children:
+                self.tree.remove(n)
+        return freed
 
     def trim(self, match: TierMatch) -> TierMatch:
         """The same match on a node that ends exactly at ``match.length``, splitting the

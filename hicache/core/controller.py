@@ -43,13 +43,14 @@ from typing import Any
 from hicache.core.cache import CacheCore
 from hicache.core.cost import CostModel, Plan
 from hicache.core.geometry import DevicePage
+from hicache.core.keys import page_keys
 from hicache.core.metrics import Levels, Metrics
 from hicache.core.node import Lease, Node, Transfer
-from hicache.core.protocols import DeviceMover, PageVerifier, StorageMover, TicketLike
+from hicache.core.protocols import DeviceMover, PageVerifier, StorageMover, StorageTicketLike, TicketLike
 from hicache.core.status import ControllerStatus
 from hicache.core.tokens import as_tokens
 from hicache.core.tree import MatchResult, TierMatch
-from hicache.errors import ConfigError, HandleError, HiCacheError, IntegrityError, MisuseError
+from hicache.errors import ConfigError, HandleError, HiCacheError, IntegrityError, MisuseError, TransitionRefused
 from hicache.spec.invariants import Violation, check_all
 from hicache.spec.model import Direction, Tier
 from hicache.spec.request import ReqEvent, ReqState, request_step
@@ -163,6 +164,7 @@ class _Job:
     transfer: Transfer
     ticket: TicketLike
     restore: PendingRestore | None  # None: a backup
+    l3: StorageTicketLike | None = None  # the same ticket, when it is an L3 one
 
 
 class Controller:
@@ -178,21 +180,27 @@ class Controller:
         write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
         selective_hits: int = 2,
         verifier: PageVerifier | None = None,
+        key_seed: bytes | None = None,
     ) -> None:
         self.write_policy = parse_write_policy(write_policy)
         check_selective_hits(selective_hits)
         if core.sizes.l3_pages and storage is None:
             raise ConfigError("L3 pages configured but no storage backend given")
+        if storage is not None and storage.keyed and key_seed is None:
+            raise ConfigError("a keyed L3 store needs the pages' key seed (the model's identity)")
         self.core = core
         self.device = device
         self.storage = storage
         self.cost = cost
         self.selective_hits = selective_hits
         self.verifier = verifier
+        self.key_seed = key_seed
         self.metrics = Metrics()
         self._jobs: dict[int, _Job] = {}
         self._requests: dict[int, Request] = {}
         self._deferred: dict[tuple[int, Direction], Node] = {}  # backups waiting for a transfer above them
+        self._lost: dict[int, Node] = {}  # runs a shared store lost, forgotten once nothing reads them
+        self._stragglers: dict[int, _Job] = {}  # L3 I/O past its deadline, still running
         self._ids = itertools.count(1)
         self.request_coverage: Counter[tuple[ReqState, ReqEvent]] = Counter()  # transitions taken
         self._owner = threading.get_ident()
@@ -236,6 +244,7 @@ class Controller:
         if match.l1.length:
             req.lease = self.core.lock(match.l1)
             req.pages = self.core.pages_l1(match.l1)
+        self._discover(req)
         self._requests[req.id] = req
         self.metrics.hit_tokens["L1"] += match.l1.length
         if match.l1.length and self.write_policy is WritePolicy.SELECTIVE:
@@ -245,6 +254,25 @@ class Controller:
                 self._backup(node)
         return req
 
+    def _discover(self, req: Request) -> None:
+        """A prompt that misses past every local copy: ask a shared store (one batched,
+        bounded ``exists``) how many of its pages it holds, and record those as L3 runs."""
+        storage, seed, ps = self.storage, self.key_seed, self.core.page_size
+        if storage is None or seed is None or not storage.shared or not storage.keyed:
+            return
+        aligned = len(req.tokens) // ps
+        if aligned <= max(req.match.lengths) // ps or not storage.available:
+            return
+        keys = page_keys(seed, req.tokens[: aligned * ps], ps)
+        held = storage.exists(keys)
+        if held * ps <= max(req.match.lengths):
+            return
+        before = self.core.l3.num_free
+        l3 = self.core.discover(req.tokens, held, keys)
+        self.metrics.l3_discovered_pages += max(0, before - self.core.l3.num_free)
+        if l3.length > req.match.l3.length:
+            req.match = MatchResult(req.match.l1, req.match.l2, l3)
+
     def plan(self, req: Request) -> Plan:
         """Where to restore from, by the policy and cost model, from the admission match (a
         decision only; :meth:`start_restore` commits it or refuses)."""
@@ -253,7 +281,7 @@ class Controller:
         if req.state is not ReqState.ADMITTED:
             raise MisuseError(f"plan: request #{req.id} is {req.state.value}; plan right after admit")
         n1, n2, n3 = req.match.lengths
-        if self.storage is None:
+        if self.storage is None or not self.storage.available:
             n3 = 0
         plan = self.cost.decide(n1, n2, n3)
         if plan.tier is Tier.L1 and max(n2, n3) > n1:
@@ -452,10 +480,26 @@ class Controller:
         finished: list[PendingRestore] = []
         for job in list(self._jobs.values()):
             if job.ticket.poll():
-                restore = self._finish(job)
+                restore = self._straggle(job) if job.l3 is not None and not job.l3.settled else self._finish(job)
                 if restore is not None and restore.finished:
                     finished.append(restore)
+        for job in list(self._stragglers.values()):
+            if job.l3 is not None and job.l3.settled:  # its I/O returned: the pages are free again
+                del self._stragglers[job.transfer.id]
+                self._jobs[job.transfer.id] = job
+                self._finish(job)
         return finished
+
+    def _straggle(self, job: _Job) -> PendingRestore | None:
+        """An L3 transfer failed by its deadline while its I/O still runs: the request
+        recomputes now; the run keeps the transfer (its pages untouched) until the I/O returns."""
+        del self._jobs[job.transfer.id]
+        self._stragglers[job.transfer.id] = job
+        self.metrics.l3_deadline_failures += 1
+        restore, job.restore = job.restore, None
+        if restore is not None and not restore.finished:
+            self._end_restore(restore, Outcome.FAILED, job.ticket.error or "L3 deadline")
+        return restore
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -472,6 +516,7 @@ class Controller:
         transfer = core.start(direction, node, make_room=self._make_room)
         if transfer is None:
             return None
+        l3: StorageTicketLike | None = None
         try:
             if direction is Direction.D2H:
                 ticket = self.device.d2h(transfer.src, transfer.dst)
@@ -479,10 +524,13 @@ class Controller:
                 ticket = self.device.h2d(transfer.src, transfer.dst, layer_events=layer_events)
             elif self.storage is None:
                 raise IntegrityError("structure", repr(node), f"{direction.name} without storage")
-            elif direction is Direction.H2S:
-                ticket = self.storage.write(transfer.src, transfer.dst)
             else:
-                ticket = self.storage.read(transfer.src, transfer.dst)
+                keys = self._keys(transfer) if self.storage.keyed else None
+                if direction is Direction.H2S:
+                    l3 = self.storage.write(transfer.src, transfer.dst, keys)
+                else:
+                    l3 = self.storage.read(transfer.src, transfer.dst, keys)
+                ticket = l3
         except HiCacheError:
             core.fail(transfer)
             raise
@@ -491,13 +539,18 @@ class Controller:
             core.fail(transfer)
             self.metrics.directions[direction.name].failed += 1
             return None
-        job = _Job(transfer, ticket, restore)
+        job = _Job(transfer, ticket, restore, l3 if direction in (Direction.H2S, Direction.S2H) else None)
         self._jobs[transfer.id] = job
         if restore is not None:
             restore.transfer = transfer
             if layer_events is not None and direction is Direction.H2D:
                 restore.pages = self._prefix_after(restore.request, transfer)
         return job
+
+    def _keys(self, transfer: Transfer) -> list[bytes]:
+        """The content keys of a transfer's pages (its runs', in order)."""
+        assert self.key_seed is not None  # checked at construction for keyed stores
+        return [k for n in transfer.nodes for k in self.core.page_keys(n, self.key_seed)]
 
     def _prefix_after(self, req: Request, transfer: Transfer) -> list[DevicePage]:
         """The L1 pages ``req``'s prefix will have once ``transfer`` (an H2D ending at its
@@ -547,8 +600,12 @@ class Controller:
             self._back_up(node, Direction.D2H)
 
     def _backup_l3(self, node: Node) -> None:
-        if self.storage is not None and node.alive and not node.has(Tier.L3):
-            self._back_up(node, Direction.H2S)
+        if self.storage is None or not node.alive or node.has(Tier.L3):
+            return
+        if not self.storage.available:
+            self.metrics.l3_unavailable += 1
+            return
+        self._back_up(node, Direction.H2S)
 
     def _back_up(self, node: Node, direction: Direction) -> None:
         if self.core.can_start(direction, node):
@@ -559,7 +616,23 @@ class Controller:
         else:
             self.metrics.backups_skipped += 1
 
+    def _forget(self, node: Node) -> None:
+        """A shared store lost ``node``'s pages: forget its L3 copy (and below) now, or once
+        nothing reads or pins them."""
+        if not node.alive or not node.has(Tier.L3):
+            self._lost.pop(node.id, None)
+            return
+        try:
+            self.core.lose(node)
+        except TransitionRefused:
+            self._lost[node.id] = node
+            return
+        self._lost.pop(node.id, None)
+        self.metrics.l3_lost_runs += 1
+
     def _retry_deferred(self) -> None:
+        for node in list(self._lost.values()):
+            self._forget(node)
         for key, node in list(self._deferred.items()):
             direction = key[1]
             if not node.alive or node.has(direction.target):
@@ -605,6 +678,8 @@ class Controller:
             self.core.fail(transfer)
             if restore is not None:
                 self._end_restore(restore, Outcome.FAILED, error or "transfer failed")
+            if job.l3 is not None and job.l3.lost and transfer.direction is Direction.S2H:
+                self._forget(transfer.nodes[0])
         else:
             self.core.complete(transfer)  # NOTE: publish first; only then may anyone read it
             if restore is not None:
@@ -753,6 +828,9 @@ class Controller:
         self.drain()
         if self.storage is not None:
             self.storage.close()
+        for job in self._stragglers.values():  # I/O past its deadline at close: we are done with its pages
+            self.core.cancel(job.transfer)
+        self._stragglers.clear()
         self.closed = True
 
 

@@ -91,6 +91,10 @@ class Metrics:
     restore_overlapped_s: float = 0.0
     verified_pages: int = 0  # pages whose digest was checked after a transfer (verify_pages)
     verify_failures: int = 0  # transfers failed because a page's digest differed
+    l3_discovered_pages: int = 0  # pages a shared store was found to hold (discover)
+    l3_lost_runs: int = 0  # runs whose L3 copy a read found gone from a shared store (lose)
+    l3_unavailable: int = 0  # L3 reads or backups skipped: the store was unreachable
+    l3_deadline_failures: int = 0  # L3 transfers failed by their deadline
     directions: dict[str, DirectionStats] = field(default_factory=lambda: {d.name: DirectionStats() for d in Direction})
     restore_seconds: Histogram = field(default_factory=Histogram)
     transfer_seconds: dict[str, Histogram] = field(default_factory=lambda: {d.name: Histogram() for d in Direction})
@@ -137,6 +141,10 @@ _COUNTERS = (
     ("restore_overlapped_seconds", "Restore seconds overlapped with other work", "restore_overlapped_s"),
     ("verified_pages", "Pages digest-checked after a transfer", "verified_pages"),
     ("verify_failures", "Transfers failed on a page digest mismatch", "verify_failures"),
+    ("l3_discovered_pages", "Pages a shared L3 store was found to hold", "l3_discovered_pages"),
+    ("l3_lost_runs", "Runs whose L3 copy a read found gone from a shared store", "l3_lost_runs"),
+    ("l3_unavailable", "L3 reads or backups skipped because the store was unreachable", "l3_unavailable"),
+    ("l3_deadline_failures", "L3 transfers failed by their deadline", "l3_deadline_failures"),
 )
 # name, help, DirectionStats attribute
 _DIRECTION_COUNTERS = (

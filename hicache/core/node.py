@@ -34,6 +34,7 @@ class Node:
     pending: list[list[int] | None] = field(default_factory=lambda: [None, None, None, None])
     alive: bool = True
     hits: int = 0  # requests that matched it in L1 (write_through_selective)
+    keys: list[bytes] | None = None  # content key per page (a keyed L3 store's names), once computed
 
     @property
     def code(self) -> int:

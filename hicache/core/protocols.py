@@ -63,17 +63,49 @@ class DeviceMover(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+class StorageTicketLike(TicketLike, Protocol):
+    """An L3 ticket. ``lost``: the store no longer had a page (a shared store: the tree drops
+    that run's L3 copy). ``expired``: failed by its deadline while its I/O still ran; until
+    ``settled``, that I/O may still touch its pages."""
+
+    lost: bool
+    expired: bool
+    settled: bool
+
+
 class StorageMover(Protocol):
-    """L2 <-> L3 (``StorageBackend``)."""
+    """L2 <-> L3 (``hicache.backends.stores.StoreMover``). A keyed store names pages by the
+    content keys it is given (slots are then the tree's bookkeeping only); a shared one can
+    gain and lose pages behind our back (``exists`` asks; a read that finds one gone is
+    ``lost``)."""
 
     @property
     def persistent(self) -> bool:
         """Whether what is written outlives this process (a copy to it is worth finishing)."""
         ...
 
-    def write(self, host_pages: Sequence[int], slots: Sequence[int]) -> TicketLike: ...
+    @property
+    def keyed(self) -> bool: ...
 
-    def read(self, slots: Sequence[int], host_pages: Sequence[int]) -> TicketLike: ...
+    @property
+    def shared(self) -> bool: ...
+
+    @property
+    def available(self) -> bool:
+        """False once the store is unreachable: the cache serves on without L3."""
+        ...
+
+    def write(
+        self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None = None
+    ) -> StorageTicketLike: ...
+
+    def read(
+        self, slots: Sequence[int], host_pages: Sequence[int], keys: Sequence[bytes] | None = None
+    ) -> StorageTicketLike: ...
+
+    def exists(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the store holds (bounded in pages and time; 0 on error)."""
+        ...
 
     def close(self, *, wait: bool = True) -> None: ...
 

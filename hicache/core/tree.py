@@ -104,6 +104,13 @@ class HiRadixTree:
             raise TransitionRefused(f"spec refuses {event.value!r} on {where}")
         return after
 
+    def expect_from(self, state: RunState, event: Event) -> RunState:
+        """The state ``event`` leads to from ``state`` (a run not in the tree yet)."""
+        after = step(state, event)
+        if after is None:
+            raise TransitionRefused(f"spec refuses {event.value!r} on a {state.name} run")
+        return after
+
     def record(self, node: Node | None, before: RunState, event: Event, after: RunState) -> None:
         """Tracing mode: check the run landed in ``after`` and log the transition."""
         if not self.tracing:
@@ -280,6 +287,8 @@ class HiRadixTree:
             upper.refs[t] = node.refs[t]
             upper.stamp[t] = node.stamp[t]
         upper.hits = node.hits
+        if node.keys is not None:
+            upper.keys, node.keys = node.keys[:cut], node.keys[cut:]
         for d in range(4):
             transfer = node.inflight[d]
             pending = node.pending[d]

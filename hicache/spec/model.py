@@ -69,6 +69,7 @@ TIER_BIT: Final = (1, 2, 4)
 DIR_BIT: Final = (8, 16, 32, 64)
 _PRIVATE: Final = 128
 _REMOVED: Final = 256
+_REMOTE: Final = 512
 
 
 class RunState(IntEnum):
@@ -94,6 +95,7 @@ class RunState(IntEnum):
     L2_L3__H2D = 2 | 4 | 64
     EMPTY = 0
     REMOVED = _REMOVED
+    REMOTE = _REMOTE  # only a shared store holds it; the tree does not know it yet
 
     @property
     def resident(self) -> frozenset[Tier]:
@@ -138,6 +140,8 @@ class Event(StrEnum):
     EVICT_L2 = "evict_l2"
     EVICT_L3 = "evict_l3"
     REMOVE = "remove"
+    DISCOVER = "discover"  # a shared store was found to hold the run: L3 joins R
+    LOSE = "lose"  # a read found the run gone from a shared store: L3 leaves R
 
 
 def start_event(d: Direction) -> Event:
@@ -187,6 +191,19 @@ def may_evict(t: Tier, r: frozenset[Tier], f: frozenset[Direction]) -> bool:
     return t in r and not any(d.source is t for d in f)
 
 
+def may_discover(r: frozenset[Tier], f: frozenset[Direction]) -> bool:
+    """A store's copy may be recorded when the tree has none and is not writing one."""
+    return Tier.L3 not in r and Direction.H2S not in f
+
+
+def may_lose(r: frozenset[Tier], f: frozenset[Direction]) -> bool:
+    """A store's copy is forgotten when a read into L2 found it gone: present, no L2 copy
+    (the only reads are S2H, which need none; runs below a lost one have none either), and
+    nothing in flight (the failed read has ended; nothing else can move a run with no L2
+    copy below an S2H). Refs are the core's guard."""
+    return Tier.L3 in r and Tier.L2 not in r and not f
+
+
 def may_insert(r: frozenset[Tier], f: frozenset[Direction]) -> bool:
     """A request's L1 pages may be adopted by a run with no L1 copy and no H2D in flight."""
     return bool(r) and Tier.L1 not in r and Direction.H2D not in f
@@ -207,6 +224,7 @@ def _declare() -> Iterator[tuple[Event, RunState, RunState]]:
     yield Event.INSERT, RunState.L1_PRIVATE, RunState.L1
     yield Event.REMOVE, RunState.L1_PRIVATE, RunState.REMOVED
     yield Event.REMOVE, RunState.EMPTY, RunState.REMOVED
+    yield Event.DISCOVER, RunState.REMOTE, RunState.L3
     for s in RunState:
         if not s.in_tree or s is RunState.EMPTY:
             continue
@@ -225,6 +243,10 @@ def _declare() -> Iterator[tuple[Event, RunState, RunState]]:
         for t in Tier:
             if may_evict(t, r, f):
                 candidates.append((evict_event(t), r - {t}, f))
+        if may_discover(r, f):
+            candidates.append((Event.DISCOVER, r | {Tier.L3}, f))
+        if may_lose(r, f):
+            candidates.append((Event.LOSE, r - {Tier.L3}, f))
         for event, r2, f2 in candidates:
             dest = state_of(r2, f2)
             if dest is None:
@@ -279,7 +301,7 @@ def _compile() -> dict[tuple[RunState, Event], RunState]:
 TABLE: Final[dict[tuple[RunState, Event], RunState]] = _compile()
 """The compiled transition table: ``(state, event) -> state``; absent means refused."""
 
-STATE_BY_CODE: Final[list[RunState | None]] = [None] * (_REMOVED + 1)
+STATE_BY_CODE: Final[list[RunState | None]] = [None] * (_REMOTE + 1)
 for _s in RunState:
     STATE_BY_CODE[_s.value] = _s
 
@@ -289,10 +311,11 @@ def step(state: RunState, event: Event) -> RunState | None:
     return TABLE.get((state, event))
 
 
-def reachable(start: RunState = RunState.L1_PRIVATE) -> set[RunState]:
-    """States reachable from ``start`` through :data:`TABLE` (breadth-first)."""
-    seen = {start}
-    frontier = [start]
+def reachable(*starts: RunState) -> set[RunState]:
+    """States reachable from ``starts`` (default: a request's private run and a run only a
+    shared store holds, the two ways a run comes to exist) through :data:`TABLE`."""
+    seen = set(starts or (RunState.L1_PRIVATE, RunState.REMOTE))
+    frontier = list(seen)
     while frontier:
         s = frontier.pop()
         for event in Event:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import note
@@ -36,15 +37,18 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hicache.backends.faults import FaultKind
+from hicache.backends.pools import HostPool
 from hicache.backends.ticket import Timings
 from hicache.core.controller import Request
 from hicache.core.geometry import KVGeometry
+from hicache.core.keys import page_keys
 from hicache.core.node import Node
 from hicache.errors import MisuseError
 from hicache.facade import HiCache, HiCacheConfig
 from hicache.spec.model import Event, RunState, Tier
 from hicache.spec.request import ReqEvent, ReqState
 from hicache.testing.fake_backend import page_tag
+from hicache.testing.memory_store import MemoryStore
 
 G = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype=torch.float32)
 SIZES = [(8, 6, 10), (5, 6, 8), (4, 4, 0), (6, 3, 6)]  # (L1, L2, L3) pages
@@ -74,6 +78,20 @@ RECIPES: dict[str, list[str]] = {
     "E:L2+H2S": ["insert", "land_copy", "extend", "land_copy", "abort_all", "drop_L1", "land_io"],
     "E:H2D+H2S": ["insert", "land_copy", "extend", "land_copy", "abort_all", "drop_L1", "restore_ext", "land_io"],
 }
+# The same for a shared store (SharedStoreMachine): runs discovered in each state a store copy
+# may join, and runs a read finds lost. P+E is P extended by one page.
+SHARED_RECIPES: dict[str, list[str]] = {
+    "D:REMOTE": ["gain", "admit"],
+    "D:L1": ["insert", "fail_copy", "gain_ext", "admit_ext"],
+    "D:D2H_PENDING": ["insert", "gain_ext", "admit_ext"],
+    "D:L1_L2": ["insert", "land_copy", "fail_io", "gain_ext", "admit_ext"],
+    "D:L2": ["insert", "land_copy", "fail_io", "abort_all", "drop_L1", "gain_ext", "admit_ext"],
+    "D:H2D_PENDING": ["insert", "land_copy", "fail_io", "abort_all", "drop_L1", "restore", "gain_ext", "admit_ext"],
+    "X:L3": ["insert", "settle", "abort_all", "drop_L1", "drop_L2", "lose_store", "restore", "land_io"],
+    "X:L1_L3": [
+        "insert", "extend", "settle", "abort_all", "drop_L2", "drop_L1_leaf", "lose_store", "restore_ext", "land_io",
+    ],
+}  # fmt: skip
 FOLLOW_UPS = [
     "none", "land_copy", "fail_copy", "land_io", "fail_io", "abort_all", "recompute",
     "drop_L1", "drop_L2", "drop_L3", "restore", "restore_ext", "extend", "abort_all+drop_L1",
@@ -102,6 +120,9 @@ class ScheduledTicket:
     run: Callable[[], bool] | None = None  # performs the real copy; returns True on success
     mover: ScheduledMover | None = None
     started: bool = False  # the copy began: it can no longer be withdrawn
+    lost: bool = False
+    expired: bool = False
+    settled: bool = True
 
     def poll(self) -> bool:
         return self.ok is not None
@@ -130,9 +151,19 @@ class ScheduledMover:
         self.poison = poison  # method name -> poisons that call's destination pages
         self.queue: list[ScheduledTicket] = []
 
-    def _submit(self, name: str, a: Sequence[int], b: Sequence[int]) -> ScheduledTicket:
+    def _submit(
+        self, name: str, a: Sequence[int], b: Sequence[int], keys: Sequence[bytes] | None = None
+    ) -> ScheduledTicket:
         self.poison[name](b)  # destinations hold garbage until completion
-        ticket = ScheduledTicket(len(a) * G.bytes_per_page, run=lambda: bool(getattr(self.real, name)(a, b).wait()))
+        ticket = ScheduledTicket(len(a) * G.bytes_per_page)
+
+        def run() -> bool:
+            real = getattr(self.real, name)(a, b) if keys is None else getattr(self.real, name)(a, b, keys)
+            ok = bool(real.wait())
+            ticket.lost = name in ("write", "read") and bool(real.lost)
+            return ok
+
+        ticket.run = run
         ticket.mover = self
         self.queue.append(ticket)
         return ticket
@@ -143,11 +174,30 @@ class ScheduledMover:
     def h2d(self, src: Sequence[int], dst: Sequence[int], layer_events: Sequence[Any] | None = None) -> ScheduledTicket:
         return self._submit("h2d", src, dst)  # CPU: no events to record
 
-    def write(self, host_pages: Sequence[int], slots: Sequence[int]) -> ScheduledTicket:
-        return self._submit("write", host_pages, slots)
+    def write(
+        self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None = None
+    ) -> ScheduledTicket:
+        return self._submit("write", host_pages, slots, keys)
 
-    def read(self, slots: Sequence[int], host_pages: Sequence[int]) -> ScheduledTicket:
-        return self._submit("read", slots, host_pages)
+    def read(
+        self, slots: Sequence[int], host_pages: Sequence[int], keys: Sequence[bytes] | None = None
+    ) -> ScheduledTicket:
+        return self._submit("read", slots, host_pages, keys)
+
+    def exists(self, keys: Sequence[bytes]) -> int:
+        return int(self.real.exists(keys))
+
+    @property
+    def keyed(self) -> bool:
+        return bool(self.real.keyed)
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.real.shared)
+
+    @property
+    def available(self) -> bool:
+        return bool(self.real.available)
 
     @property
     def layered(self) -> bool:
@@ -177,6 +227,7 @@ class ScheduledMover:
 
 class FacadeMachine(RuleBasedStateMachine):
     scheduled: ClassVar[bool] = True
+    shared: ClassVar[bool] = False  # L3 an in-memory shared store that others write and evict
     coverage: ClassVar[Counter[tuple[RunState, Event]]] = Counter()
     request_coverage: ClassVar[Counter[tuple[ReqState, ReqEvent]]] = Counter()
 
@@ -186,6 +237,7 @@ class FacadeMachine(RuleBasedStateMachine):
         self.movers: list[ScheduledMover] = []
         self.requests: list[Request] = []
         self.prompts: list[tuple[int, ...]] = []
+        self.store: MemoryStore | None = None
 
     @property
     def c(self) -> HiCache:
@@ -196,6 +248,11 @@ class FacadeMachine(RuleBasedStateMachine):
 
     def _build(self, sizes: tuple[int, int, int], policy: str) -> None:
         l1, l2, l3 = sizes
+
+        def memory(host: HostPool) -> MemoryStore:
+            self.store = MemoryStore(host)
+            return self.store
+
         self.cache = c = HiCache(
             HiCacheConfig(
                 G,
@@ -208,7 +265,9 @@ class FacadeMachine(RuleBasedStateMachine):
                 device="cpu",
                 tracing=True,
                 transfer_backend="torch",
-            )
+                model_id="facade-machine",
+            ),
+            store=memory if self.shared and l3 else None,
         )
         _note(f"sizes {sizes}, {policy}")
         if not self.scheduled:
@@ -263,7 +322,7 @@ class FacadeMachine(RuleBasedStateMachine):
         policy=st.sampled_from(POLICIES),
         seeds=st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=7), min_size=1, max_size=3),
         drop=st.sampled_from([(), (Tier.L1,), (Tier.L1, Tier.L2), (Tier.L2,), (Tier.L1, Tier.L3)]),
-        recipe=st.one_of(st.just("none"), st.sampled_from(sorted(RECIPES))),
+        recipe=st.one_of(st.just("none"), st.sampled_from(sorted(RECIPES) + sorted(SHARED_RECIPES))),
         then=st.sampled_from(FOLLOW_UPS),
     )
     def seed(
@@ -278,10 +337,12 @@ class FacadeMachine(RuleBasedStateMachine):
         """Either prompts inserted, backed up, then tiers drained (restores ahead), or (with
         scheduled transfers) a prompt brought into a drawn page-run state through the cache's
         own calls (:data:`RECIPES`, write-through, all three tiers), then drawn operations."""
+        if recipe in SHARED_RECIPES and not self.shared:
+            recipe = "none"
         if self.scheduled and recipe != "none":
             self._build((8, 6, 10), "write_through")
             _note(f"recipe {recipe} then {then}")
-            for op in [*RECIPES[recipe], *then.split("+")]:
+            for op in [*{**RECIPES, **SHARED_RECIPES}[recipe], *then.split("+")]:
                 self._op(op)
             return
         self._build(sizes, policy)
@@ -315,6 +376,13 @@ class FacadeMachine(RuleBasedStateMachine):
         elif op.startswith("drop_"):
             tier = Tier[op.removeprefix("drop_").removesuffix("_leaf")]
             self.c.core.evict(tier, 1 if op.endswith("_leaf") else 10**6)
+        elif op in ("gain", "gain_ext"):
+            self._gain(tuple(pe if op == "gain_ext" else p))
+        elif op in ("admit", "admit_ext"):
+            self.admit(pe if op == "admit_ext" else p)
+        elif op == "lose_store":
+            for i in range(len(pe) // G.page_size):
+                self._lose(tuple(pe), i)
         elif op == "abort_all":
             while self.requests:
                 self.release(0)
@@ -350,6 +418,41 @@ class FacadeMachine(RuleBasedStateMachine):
         inserted into runs that live only in L2/L3 (or are being restored by another)."""
         self.admit(list(self.prompts[i % len(self.prompts)]) + list(extra))
         self.prefill_and_insert(len(self.requests) - 1)
+
+    def _keys(self, tokens: tuple[int, ...]) -> list[bytes]:
+        seed = self.c.controller.key_seed
+        assert seed is not None
+        return page_keys(seed, tokens[: len(tokens) - len(tokens) % G.page_size], G.page_size)
+
+    def _gain(self, tokens: tuple[int, ...]) -> None:
+        """Another instance computed ``tokens`` and stored its pages (their content tags)."""
+        assert self.store is not None
+        for j, key in enumerate(self._keys(tokens)):
+            value = tag_value(tokens[: (j + 1) * G.page_size])
+            self.store.add(key, np.full(G.bytes_per_page // 4, value, dtype=np.float32).view(np.uint8))
+        _note(f"store gains {tokens}")
+
+    def _lose(self, tokens: tuple[int, ...], page: int) -> None:
+        assert self.store is not None
+        keys = self._keys(tokens)
+        if keys:
+            self.store.drop(keys[page % len(keys)])
+            _note(f"store loses page {page % len(keys)} of {tokens}")
+
+    def _shares(self) -> bool:
+        return self.shared and self.store is not None and bool(self.prompts)
+
+    @precondition(_shares)
+    @rule(i=st.integers(0, 7), extra=st.sampled_from([(), (1, 1), (2, 0, 1, 2)]))
+    def store_gains(self, i: int, extra: tuple[int, ...]) -> None:
+        """Another instance stores a known prompt, maybe extended (discovery ahead)."""
+        self._gain(self.prompts[i % len(self.prompts)] + extra)
+
+    @precondition(_shares)
+    @rule(i=st.integers(0, 7), page=st.integers(0, 4))
+    def store_loses(self, i: int, page: int) -> None:
+        """The store evicts a page another instance wrote (a read of it will find it gone)."""
+        self._lose(self.prompts[i % len(self.prompts)], page)
 
     @rule(tier=st.sampled_from(Tier))
     def pressure(self, tier: Tier) -> None:
@@ -523,6 +626,15 @@ class FacadeMachine(RuleBasedStateMachine):
         type(self).request_coverage.update(self.c.controller.request_coverage)
 
 
+class SharedStoreMachine(FacadeMachine):
+    """The facade over a shared, keyed L3 that other instances write and evict behind its
+    back: pages appear (admission discovers them) and vanish (a read finds them lost)."""
+
+    shared = True
+    coverage: ClassVar[Counter[tuple[RunState, Event]]] = Counter()
+    request_coverage: ClassVar[Counter[tuple[ReqState, ReqEvent]]] = Counter()
+
+
 class RealBackendsMachine(FacadeMachine):
     """The real CPU backends on their own threads, with injected faults."""
 
@@ -534,11 +646,12 @@ class RealBackendsMachine(FacadeMachine):
 def sweep_recipes() -> None:
     """Every recipe followed by every follow-up, then closed: each page-run state meets each
     kind of next event at least once (the random machines add the interleavings)."""
-    for recipe in sorted(RECIPES):
-        for then in FOLLOW_UPS:
-            m = FacadeMachine()
-            m.seed(sizes=SIZES[0], policy="write_through", seeds=[[0, 0]], drop=(), recipe=recipe, then=then)
-            m.integrity()
-            m.usable_pages_hold_the_request_prefix()
-            m.published_pages_hold_their_prefix()
-            m.teardown()
+    runs = [(FacadeMachine, r, t) for r in sorted(RECIPES) for t in FOLLOW_UPS]
+    runs += [(SharedStoreMachine, r, t) for r in sorted(SHARED_RECIPES) for t in ("none", "settle", "abort_all")]
+    for machine, recipe, then in runs:
+        m = machine()
+        m.seed(sizes=SIZES[0], policy="write_through", seeds=[[0, 0]], drop=(), recipe=recipe, then=then)
+        m.integrity()
+        m.usable_pages_hold_the_request_prefix()
+        m.published_pages_hold_their_prefix()
+        m.teardown()

@@ -112,7 +112,7 @@ def test_the_direct_path_is_bit_exact(fragmented: bool) -> None:
     l1, l2 = pools()
     eng = TransferEngine(l1, l2, "triton", direct_max_bytes=1 << 30)
     round_trip(eng, 9, fragmented, seed=5)
-    assert eng.status()["paths"] == {"direct": 2, "ring": 0, "layered": 0}
+    assert eng.status()["paths"] == {"copy": 0, "direct": 2, "ring": 0, "layered": 0}
 
 
 def test_transfer_memory_does_not_depend_on_transfer_size() -> None:
@@ -278,7 +278,7 @@ def test_a_failing_direct_kernel_falls_back_to_the_ring_under_auto(monkeypatch: 
     with pytest.warns(RuntimeWarning, match="direct transfer failed"):
         assert eng.d2h([3, 4, 5], [9, 1, 7]).wait()
     assert torch.equal(l2.slabs[[9, 1, 7]], want)
-    assert not eng.direct_usable and eng.status()["paths"] == {"direct": 0, "ring": 1, "layered": 0}
+    assert not eng.direct_usable and eng.status()["paths"] == {"copy": 0, "direct": 0, "ring": 1, "layered": 0}
     round_trip(eng, 5, fragmented=True, seed=2)
 
 

@@ -144,7 +144,7 @@ def test_both_fragmented_paths_are_bit_exact(backend: str, min_run_bytes: int) -
     for w, p in zip(want, dst, strict=True):
         assert torch.equal(l1_page(dev, p), w)
     direct = backend == "triton" and min_run_bytes > 0
-    assert engine.status()["paths"] == {"direct": 2 * direct, "ring": 2 * (not direct), "layered": 0}
+    assert engine.status()["paths"] == {"copy": 0, "direct": 2 * direct, "ring": 2 * (not direct), "layered": 0}
     storage.close()
 
 

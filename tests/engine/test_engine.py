@@ -260,11 +260,10 @@ def test_decode_overlaps_a_pending_restore_and_abort_mid_restore_leaks_nothing()
     assert e.stats.decode_s_while_restoring > 0
     assert e.cache.metrics.restore_overlapped_s > 0
     # The pending restore's time is split: it started (host issue), then the engine decoded or,
-    # with nothing to decode, waited; the 0.3 s read dominates, so those parts cover most of it.
+    # with nothing to decode, waited.
     es = e.stats
-    assert 0 < es.restore_issue_s < e.cache.metrics.restore_s and es.layered_launch_s == 0
+    assert es.restore_issue_s > 0 and es.layered_launch_s == 0
     assert es.decode_s_while_restoring <= es.decode_s
-    assert es.decode_s_while_restoring + es.idle_s_while_restoring > 0.5 * e.cache.metrics.restore_s
     # Abort mid-restore: nothing leaks, the restore completes into the tree.
     e.cache.core.evict(Tier.L1, 10**6)
     e.cache.core.evict(Tier.L2, 10**6)
@@ -277,7 +276,8 @@ def test_decode_overlaps_a_pending_restore_and_abort_mid_restore_leaks_nothing()
     st = e.cache.status()
     assert st.requests == 0 and st.core.leases == 0 and st.pending_restores == 0
     assert st.core.tiers[0].private == 0 and st.core.tiers[0].in_flight == 0
-    assert e.cache.core.match(a).lengths[1] == 40  # the abandoned S2H landed in L2, with the tree
+    # the abandoned S2H landed in L2, with the tree, or was withdrawn before it started
+    assert e.cache.core.match(a).lengths[1:] in ((40, 40), (0, 40))
     e.cache.check_integrity()
     e.close()
 

@@ -10,7 +10,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from hicache.spec.model import TABLE, Event, RunState
 from hicache.spec.request import REQUEST_TABLE, ReqEvent, ReqState
-from hicache.testing.facade_machine import FacadeMachine, RealBackendsMachine, sweep_recipes
+from hicache.testing.facade_machine import FacadeMachine, RealBackendsMachine, SharedStoreMachine, sweep_recipes
 
 
 def test_facade_machines_keep_every_invariant_and_take_every_transition() -> None:
@@ -24,10 +24,14 @@ def test_facade_machines_keep_every_invariant_and_take_every_transition() -> Non
         FacadeMachine, settings=settings(current, max_examples=max(60, current.max_examples // 2))
     )
     run_state_machine_as_test(
+        SharedStoreMachine, settings=settings(current, max_examples=max(30, current.max_examples // 8))
+    )
+    run_state_machine_as_test(
         RealBackendsMachine, settings=settings(current, max_examples=max(30, current.max_examples // 8))
     )
-    runs: Counter[tuple[RunState, Event]] = FacadeMachine.coverage + RealBackendsMachine.coverage
-    reqs: Counter[tuple[ReqState, ReqEvent]] = FacadeMachine.request_coverage + RealBackendsMachine.request_coverage
+    machines = (FacadeMachine, SharedStoreMachine, RealBackendsMachine)
+    runs: Counter[tuple[RunState, Event]] = sum((m.coverage for m in machines), Counter())
+    reqs: Counter[tuple[ReqState, ReqEvent]] = sum((m.request_coverage for m in machines), Counter())
     missing_runs = sorted(f"{s.name} --{e.value}-->" for (s, e) in TABLE if (s, e) not in runs)
     missing_reqs = sorted(f"{s.value} --{e.value}-->" for (s, e) in REQUEST_TABLE if (s, e) not in reqs)
     print(

@@ -1,0 +1,147 @@
+"""A shared, keyed L3 through the facade: pages another instance stored are discovered and
+restored bit-exactly; pages that vanish are forgotten and the request recomputes; pages the
+store has are not written again; an unreachable store is no L3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache import HiCache, HiCacheConfig
+from hicache.backends.pools import HostPool
+from hicache.core.geometry import KVGeometry
+from hicache.core.keys import format_seed, page_keys
+from hicache.errors import ConfigError
+from hicache.spec.model import Tier
+from hicache.testing.memory_store import MemoryStore
+
+G = KVGeometry(2, 2, 8, 2, torch.float32)
+MODEL = "test-model"
+
+
+def make(store: MemoryStore | None = None, **kw: object) -> tuple[HiCache, MemoryStore]:
+    made: list[MemoryStore] = []
+
+    def build(host: HostPool) -> MemoryStore:
+        s = MemoryStore(host)
+        if store is not None:  # another instance on the same store: share its pages
+            s.pages, s._lock = store.pages, store._lock
+        made.append(s)
+        return s
+
+    cfg: dict[str, object] = dict(
+        geometry=G, l1_pages=8, l2_pages=8, l3_pages=16, policy="always", device="cpu", tracing=True, model_id=MODEL
+    )
+    cfg.update(kw)
+    c = HiCache(HiCacheConfig(**cfg), store=build)  # type: ignore[arg-type]
+    return c, made[0]
+
+
+def compute(c: HiCache, tokens: list[int], seed: int) -> torch.Tensor:
+    req = c.admit(tokens)
+    pages = c.allocate(req, len(tokens) // G.page_size - req.cached_len // G.page_size)
+    assert pages is not None
+    c.l1.buffer[:, :, pages] = torch.randn(
+        c.l1.buffer[:, :, pages].shape, generator=torch.Generator().manual_seed(seed)
+    )
+    c.insert(req, pages)
+    kv = c.l1.buffer[:, :, c.prefix_pages(req)].clone()
+    c.release(req)
+    c.drain()
+    return kv
+
+
+def test_a_second_instance_restores_what_the_first_stored_bit_exactly() -> None:
+    a, store = make()
+    toks = list(range(10))
+    kv = compute(a, toks, seed=1)
+    assert len(store.pages) == 5
+    b, mine = make(store)
+    req = b.admit(toks)
+    assert req.hit == (0, 0, 10) and b.metrics.l3_discovered_pages == 5
+    assert b.restore(req, b.plan(req))
+    assert req.cached_len == 10 and torch.equal(b.l1.buffer[:, :, b.prefix_pages(req)], kv)
+    b.check_integrity()
+    b.release(req)
+    compute(b, [*toks, 50, 51], seed=2)  # extends it: only the new page is written
+    assert mine.puts == 1 and len(store.pages) == 6
+    a.close()
+    b.close()
+
+
+def test_a_page_that_vanished_fails_the_restore_and_is_forgotten() -> None:
+    a, store = make()
+    toks = list(range(10))
+    compute(a, toks, seed=1)
+    b, _ = make(store)
+    keys = page_keys(format_seed(MODEL, G), toks, G.page_size)
+    req = b.admit(toks)  # discovers all five pages
+    assert req.hit[2] == 10
+    store.drop(keys[3])  # another instance evicts page 3 meanwhile
+    assert not b.restore(req, b.plan(req))
+    assert req.cached_len == 0 and b.metrics.fallbacks == 1 and b.metrics.l3_lost_runs == 1
+    assert b.core.match(toks).lengths == (0, 0, 0)  # forgotten, nothing stale kept
+    b.check_integrity()
+    b.release(req)
+    again = b.admit(toks)  # the store still has pages 0-2: discovered again
+    assert again.hit[2] == 6
+    b.release(again)
+    b.check_integrity()
+    a.close()
+    b.close()
+
+
+def test_an_extension_is_discovered_below_what_the_tree_has() -> None:
+    """The tree holds a prefix locally; the store holds it and more: the runs without an L3
+    copy gain one, the rest becomes a new run, and the restore reads just the rest."""
+    a, store = make()
+    base, more = list(range(6)), [*list(range(6)), 7, 7, 8, 8]
+    compute(a, more, seed=3)
+    b, _ = make(store)
+    kv = compute(b, base, seed=4)  # b computes the prefix itself (same tokens, its own bytes)
+    b.core.evict(Tier.L2, 10**6)
+    req = b.admit(more)
+    assert req.hit == (6, 0, 10)
+    assert b.restore(req, b.plan(req)) and req.cached_len == 10
+    assert torch.equal(b.l1.buffer[:, :, b.prefix_pages(req)[:3]], kv)
+    b.check_integrity()
+    b.release(req)
+    a.close()
+    b.close()
+
+
+def test_an_unavailable_store_is_no_l3() -> None:
+    class Down(MemoryStore):
+        @property
+        def available(self) -> bool:
+            return False
+
+    c = HiCache(
+        HiCacheConfig(G, l1_pages=8, l2_pages=8, l3_pages=16, policy="always", device="cpu", model_id=MODEL),
+        store=lambda host: Down(host),
+    )
+    compute(c, list(range(8)), seed=5)
+    c.core.evict(Tier.L1, 10**6)
+    c.core.evict(Tier.L2, 10**6)
+    req = c.admit(list(range(8)))
+    assert c.plan(req).tier is Tier.L1 and c.metrics.l3_unavailable >= 1
+    c.release(req)
+    c.close()
+
+
+def test_a_keyed_store_needs_the_model_identity() -> None:
+    with pytest.raises(ConfigError, match="model_id"):
+        HiCache(HiCacheConfig(G, l1_pages=4, l2_pages=4, l3_pages=4, device="cpu"), store=lambda h: MemoryStore(h))
+    with pytest.raises(ConfigError, match="model_id"):
+        HiCacheConfig(G, l1_pages=4, l2_pages=4, l3_pages=4, device="cpu", storage_backend="dir", storage_path="/tmp")
+
+
+def test_different_models_never_share_pages() -> None:
+    a, store = make()
+    compute(a, list(range(8)), seed=6)
+    b, _ = make(store, model_id="another-model")
+    req = b.admit(list(range(8)))
+    assert req.hit == (0, 0, 0)
+    b.release(req)
+    a.close()
+    b.close()
