@@ -510,7 +510,7 @@ class CacheCore:
                 if pin is not None:
                     tree.release(pin)
         if need and self.l3.num_free < need:  # no room: record nothing past what L3 holds
-            return self._l3_match(deepest_l3, tokens)
+            return self._l3_match(deepest_l3, limit)
         slots: list[int] = list(self.l3.allocate(need) or [])
         last = deepest_l3
         at = 0
@@ -534,12 +534,14 @@ class CacheCore:
                 new.keys = list(keys[start // ps : limit // ps])
             tree.record(new, RunState.REMOTE, Event.DISCOVER, after)
             last = new
-        return self._l3_match(last, tokens)
+        return self._l3_match(last, limit)
 
-    def _l3_match(self, node: Node | None, tokens: tuple[int, ...]) -> TierMatch:
+    def _l3_match(self, node: Node | None, limit: int) -> TierMatch:
+        """The L3 match ending at ``node`` (the deepest run of the path with an L3 copy),
+        at most ``limit`` tokens long."""
         if node is None:
             return TierMatch(Tier.L3, 0, self.tree.root, 0)
-        return TierMatch(Tier.L3, self.tree.depth_tokens(node), node, node.version[Tier.L3])
+        return TierMatch(Tier.L3, min(self.tree.depth_tokens(node), limit), node, node.version[Tier.L3])
 
     def lose(self, node: Node) -> int:
         """Forget the L3 copies of ``node`` and every run below it (a shared store no longer

@@ -387,6 +387,74 @@ class CoreStateMachine(RuleBasedStateMachine):
         else:
             raise AssertionError("a finished transfer was accepted again")
 
+    # -- a shared store: runs discovered and lost behind the cache's back ---------------------
+
+    @precondition(_has_prompts)
+    @rule(i=st.integers(0, 31), pages=st.integers(1, 8))
+    def discover(self, i: int, pages: int) -> None:
+        """A shared store holds the first ``pages`` pages of a known prompt: the path gains L3
+        copies (stopping at a run with an H2S in flight, or where L3 has no room)."""
+        ps, model = self.page_size, self.model
+        prompt = self.prompts[i % len(self.prompts)]
+        n = min(pages, len(prompt) // ps)
+        if n == 0:
+            return
+        stop = n * ps
+        for k in range(ps, n * ps + 1, ps):
+            if prompt[:k] not in model.resident[Tier.L3] and model.in_flight(prompt[:k], Direction.H2S):
+                stop = k - ps
+                break
+        m = self.core.discover(prompt, n)
+        note(f"discover {prompt[: n * ps]}: L3 now {m.length}")
+        assert m.length <= stop
+        real = resident_prefixes(self.core)[Tier.L3]
+        gone = model.resident[Tier.L3] - real
+        for p in gone:  # room made in L3 by eviction: legal victims only
+            assert not model.locks[Tier.L3][p] and not model.is_source(p, Tier.L3), f"evicted {p}"
+        path = {prompt[:k] for k in range(ps, m.length + 1, ps)}
+        assert real - model.resident[Tier.L3] <= path, "discovery added residency off its path"
+        assert path <= real
+        for k in range(ps, m.length + 1, ps):  # the store's copy holds the prefix's content
+            node = self.core.match(prompt[:k]).l3
+            pages_ = self.core.pages(node)
+            self.fake.content[Tier.L3][pages_[-1]] = page_tag(prompt[:k])
+        model.resident[Tier.L3] = real
+
+    @precondition(_has_prompts)
+    @rule(i=st.integers(0, 31), at=st.integers(0, 3))
+    def lose(self, i: int, at: int) -> None:
+        """A read found a run gone from the store: it and everything below it lose their L3
+        copy — refused (changing nothing) if any of them has L2, a transfer or an L3 pin."""
+        ps, model = self.page_size, self.model
+        prompt = self.prompts[i % len(self.prompts)]
+        hit = self.core.match(prompt).l3
+        if hit.length == 0:
+            return
+        path = self.core.tree.path(hit.node)
+        node = path[at % len(path)]
+        above = len(self.core.tree.tokens_of(node)) - len(node.key)
+        head = self.core.tree.tokens_of(node)[: above + ps]
+        below = {p for p in model.resident[Tier.L3] if len(p) > above and p[: above + ps] == head}
+        allowed = all(
+            p not in model.resident[Tier.L2]
+            and not model.locks[Tier.L3][p]
+            and not any(model.in_flight(p, d) for d in Direction)
+            for p in below
+        )
+        note(f"lose {head}: {sorted(below)} allowed {allowed}")
+        if not allowed:
+            before = self.core.snapshot()
+            try:
+                self.core.lose(node)
+            except TransitionRefused:
+                pass
+            else:
+                raise AssertionError("lose was not refused")
+            assert self.core.snapshot() == before, "a refused lose changed the cache"
+            return
+        assert self.core.lose(node) == len(below)
+        model.resident[Tier.L3] -= below
+
     # -- eviction and locks ----------------------------------------------------------------
 
     @rule(tier=st.sampled_from(Tier), n=st.sampled_from([1, 2, 3, 1000]))
