@@ -543,12 +543,7 @@ class CacheCore:
             return TierMatch(Tier.L3, 0, self.tree.root, 0)
         return TierMatch(Tier.L3, min(self.tree.depth_tokens(node), limit), node, node.version[Tier.L3])
 
-    def lose(self, node: Node) -> int:
-        """Forget the L3 copies of ``node`` and every run below it (a shared store no longer
-        has them; what is below a lost page is unreachable). Returns the L3 slots freed.
-        Raises TransitionRefused, changing nothing, if any of them is pinned in L3 or read."""
-        if not node.alive or node.pages[Tier.L3] is None:
-            raise TransitionRefused(f"{node!r} has no L3 copy to lose")
+    def _l3_below(self, node: Node) -> list[Node]:
         runs: list[Node] = []
         stack = [node]
         while stack:
@@ -556,9 +551,21 @@ class CacheCore:
             if n.pages[Tier.L3] is not None:
                 runs.append(n)
                 stack.extend(n.children.values())
-        for n in runs:
-            if n.refs[Tier.L3] or not self.tree.allows(n, Event.LOSE):
-                raise TransitionRefused(f"cannot lose the L3 copy of {n!r}: pinned or being read")
+        return runs
+
+    def can_lose(self, node: Node) -> bool:
+        """Whether :meth:`lose` would be accepted now (changes nothing)."""
+        if not node.alive or node.pages[Tier.L3] is None:
+            return False
+        return all(not n.refs[Tier.L3] and self.tree.allows(n, Event.LOSE) for n in self._l3_below(node))
+
+    def lose(self, node: Node) -> int:
+        """Forget the L3 copies of ``node`` and every run below it (a shared store no longer
+        has them; what is below a lost page is unreachable). Returns the L3 slots freed.
+        Raises TransitionRefused, changing nothing, if any of them is pinned in L3 or read."""
+        if not self.can_lose(node):
+            raise TransitionRefused(f"cannot lose the L3 copy of {node!r}: none, pinned, in L2 or being moved")
+        runs = self._l3_below(node)
         freed = 0
         for n in reversed(runs):  # deepest first: a parent is removable once its children are
             before = n.state

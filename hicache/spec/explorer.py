@@ -2,21 +2,27 @@
 
 Generic over an :class:`Explorable` system (``hicache.testing.explore_core`` binds it to
 the real core with a fake backend whose completions the explorer schedules). Breadth-first
-from the initial state; states are deduplicated by a canonical key, so every interleaving
-up to ``depth`` is covered up to state equality. Every invariant of
-:mod:`hicache.spec.invariants` (plus the system's own checks) is verified in every state.
+from the initial state. Every successor of every expanded state is checked and its
+coverage counted *before* it is deduplicated, so an edge into a state seen before is still
+verified; only then are states with equal canonical keys merged (the key must hold
+everything that can change what happens next, or the merge would hide states).
+
+Coverage is per model: ``coverage()`` maps a model name (``"run"`` for the page-run
+model, ``TABLE``'s keys) to the transitions taken on the way to the state, and
+``universe`` gives each model's full set, so a report says what was never reached.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, Self
 
-from hicache.spec.invariants import Violation, check_all
-from hicache.spec.model import Event, RunState
-from hicache.spec.snapshot import Snapshot
+from hicache.spec.invariants import Violation
+
+Coverage = Mapping[str, Collection[Hashable]]
+"""Model name -> transitions taken (for the page-run model: ``(RunState, Event)`` pairs)."""
 
 
 class Explorable(Protocol):
@@ -30,16 +36,13 @@ class Explorable(Protocol):
         """An independent copy."""
 
     def key(self) -> Hashable:
-        """A canonical key: equal keys mean equal states."""
-
-    def snapshot(self) -> Snapshot:
-        """The plain-data view the invariants are checked on."""
+        """A canonical key: equal keys mean states that behave the same from now on."""
 
     def check(self) -> list[Violation]:
-        """System-specific checks beyond the structural invariants (content, ordering)."""
+        """Every check of this state: structural invariants and system-specific ones."""
 
-    def coverage(self) -> set[tuple[RunState, Event]]:
-        """Spec transitions taken on the way to this state."""
+    def coverage(self) -> Coverage:
+        """Per model, the transitions taken on the way to this state."""
 
 
 @dataclass
@@ -49,14 +52,30 @@ class ExploreReport:
     depth: int = 0
     frontier_left: int = 0
     seconds: float = 0.0
-    transitions: set[tuple[RunState, Event]] = field(default_factory=set)
+    covered: dict[str, set[Hashable]] = field(default_factory=dict)
+    universe: dict[str, frozenset[Hashable]] = field(default_factory=dict)
     violations: list[tuple[list[str], Violation]] = field(default_factory=list)
 
+    @property
+    def transitions(self) -> set[Hashable]:
+        """Page-run transitions covered (the ``"run"`` model)."""
+        return self.covered.get("run", set())
+
+    def missing(self, model: str) -> set[Hashable]:
+        """Transitions of ``model``'s universe never taken."""
+        return set(self.universe.get(model, frozenset())) - self.covered.get(model, set())
+
     def summary(self) -> str:
+        models = sorted(set(self.covered) | set(self.universe))
+        cov = ", ".join(
+            f"{m} {len(self.covered.get(m, ()))}/{len(self.universe[m])}"
+            if m in self.universe
+            else f"{m} {len(self.covered.get(m, ()))}"
+            for m in models
+        )
         return (
             f"{self.states} states, {self.edges} edges, depth {self.depth}, "
-            f"{len(self.transitions)} spec transitions, {len(self.violations)} violations, "
-            f"{self.seconds:.1f}s"
+            f"transitions {cov or 'none'}, {len(self.violations)} violations, {self.seconds:.1f}s"
         )
 
 
@@ -64,47 +83,57 @@ def explore(
     initial: Explorable,
     depth: int,
     *,
+    universe: Mapping[str, Collection[Hashable]] | None = None,
     max_states: int | None = None,
     progress: Callable[[int, int, int], None] | None = None,
 ) -> ExploreReport:
     """Breadth-first over all interleavings up to ``depth`` operations (see module doc).
 
     Stops at the first violation (recorded with the action trace that reached it).
+    ``progress(depth, states, edges)`` is called after each level.
     """
     t0 = time.perf_counter()
-    report = ExploreReport()
+    report = ExploreReport(universe={m: frozenset(u) for m, u in (universe or {}).items()})
+
+    def visit(system: Explorable, trace: list[str]) -> bool:
+        for model, taken in system.coverage().items():
+            report.covered.setdefault(model, set()).update(taken)
+        bad = system.check()
+        if bad:
+            report.violations.append((trace, bad[0]))
+        return not bad
+
+    ok = visit(initial, [])
     seen = {initial.key()}
-    level: list[tuple[Explorable, list[str]]] = [(initial, [])]
     report.states = 1
-    for d in range(depth + 1):
+    level: list[tuple[Explorable, list[str]]] = [(initial, [])]
+    d = 0
+    while ok and level and d < depth and (max_states is None or report.states < max_states):
         nxt: list[tuple[Explorable, list[str]]] = []
         for system, trace in level:
-            bad = check_all(system.snapshot()) + system.check()
-            report.transitions |= system.coverage()
-            if bad:
-                report.violations.append((trace, bad[0]))
-                report.seconds = time.perf_counter() - t0
-                return report
-            if d == depth:
-                continue
             for action in system.actions():
                 child = system.clone()
                 child.apply(action)
                 report.edges += 1
+                path = [*trace, action]
+                if not visit(child, path):
+                    ok = False
+                    break
                 k = child.key()
                 if k in seen:
                     continue
                 seen.add(k)
                 report.states += 1
-                nxt.append((child, [*trace, action]))
+                nxt.append((child, path))
                 if max_states is not None and report.states >= max_states:
                     break
+            if not ok or (max_states is not None and report.states >= max_states):
+                break
+        d += 1
         report.depth = d
         if progress is not None:
             progress(d, report.states, report.edges)
-        if not nxt:
-            break
         level = nxt
-    report.frontier_left = len(level) if report.depth == depth else 0
+    report.frontier_left = len(level) if ok and report.depth == depth else 0
     report.seconds = time.perf_counter() - t0
     return report

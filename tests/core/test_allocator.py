@@ -94,3 +94,40 @@ def test_random_churn_keeps_exact_accounting() -> None:
         runs = a.runs()
         for (s1, l1), (s2, _) in itertools.pairwise(runs):
             assert s1 + l1 < s2, "adjacent runs were not merged"
+
+
+def test_is_free_tells_free_from_allocated_and_out_of_range() -> None:
+    """``is_free`` is True exactly for free pages inside the pool."""
+    a: PageAllocator[int] = PageAllocator(6)
+    assert a.allocate(2) == [0, 1]
+    a.free([0])
+    assert [a.is_free(p) for p in range(-1, 7)] == [False, True, False, True, True, True, True, False]
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
+def test_bad_count_raises_and_changes_nothing(bad: object) -> None:
+    """A page count that is negative or not an int is misuse, not "too few pages"."""
+    a: PageAllocator[int] = PageAllocator(4)
+    with pytest.raises(PageOwnershipError, match="page count"):
+        a.allocate(bad)  # type: ignore[arg-type]
+    assert a.num_free == 4 and a.runs() == [(0, 4)]
+
+
+def test_zero_and_exact_counts_at_the_boundaries() -> None:
+    """allocate(0) is an empty list; the last free pages can be taken exactly; one more
+    is None; can_allocate agrees at each boundary."""
+    a: PageAllocator[int] = PageAllocator(3)
+    assert a.can_allocate(0) and a.allocate(0) == []
+    assert not a.can_allocate(-1)
+    assert a.can_allocate(3) and not a.can_allocate(4)
+    assert a.allocate(4) is None
+    assert a.allocate(3) == [0, 1, 2]
+    assert a.num_free == 0 and a.runs() == []
+    assert a.allocate(1) is None
+
+
+def test_zero_capacity_pool_is_empty() -> None:
+    """A tier of capacity 0 has no pages and no runs; only allocate(0) succeeds."""
+    a: PageAllocator[int] = PageAllocator(0)
+    assert a.num_free == 0 and a.runs() == [] and list(a.free_pages()) == []
+    assert a.allocate(0) == [] and a.allocate(1) is None

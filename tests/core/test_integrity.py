@@ -135,3 +135,4 @@ def test_tracing_catches_a_change_the_spec_did_not_declare(monkeypatch: pytest.M
     with pytest.raises(IntegrityError) as info:
         core.complete(x)
     assert info.value.invariant == "declared-states"
+    assert "D2H_PENDING --complete_d2h--> " in info.value.detail and "the spec says L1_L2" in info.value.detail

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from hicache.core import CacheCore, DevicePage, TierSizes
 from hicache.core.node import Node
+from hicache.core.tree import HiRadixTree
 from hicache.errors import HandleError, MisuseError, PageOwnershipError, TransitionRefused
-from hicache.spec.model import Direction, RunState, Tier
+from hicache.spec.model import Direction, Event, RunState, Tier
 
 
 def make(ps: int = 2, l1: int = 16, l2: int = 16, l3: int = 16) -> CacheCore:
@@ -212,3 +215,157 @@ def test_status_counts_pages() -> None:
     core.release(lease)
     assert core.status().tiers[0].evictable == 2
     assert core.status().to_dict()["tiers"][1]["evictable"] == 2
+
+
+def test_eviction_stays_lru_after_the_index_is_rebuilt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Touch leaves until the eviction heap's stale entries outgrow it and it is rebuilt
+    (three times, at most once per 64 touches), then evict everything: exact LRU order."""
+    rebuilds = [0]
+    real_rebuild = HiRadixTree._rebuild
+
+    def counting(self: HiRadixTree, tier: Tier) -> None:
+        rebuilds[0] += 1
+        real_rebuild(self, tier)
+
+    monkeypatch.setattr(HiRadixTree, "_rebuild", counting)
+    core = make(ps=1, l1=12)
+    leaves = [(k,) for k in range(12)]
+    for leaf in leaves:
+        prefill(core, leaf)
+    rng = random.Random(3)
+    order = list(leaves)  # least recently used first
+    touches = 0
+    while rebuilds[0] < 3:
+        leaf = rng.choice(leaves)
+        core.release(core.lock(core.match(leaf).l1))  # each release indexes the leaf again
+        touches += 1
+        order.remove(leaf)
+        order.append(leaf)
+    assert touches >= 3 * 64
+    assert len(core.tree._heaps[Tier.L1]) <= len(leaves)  # just rebuilt: no stale entries
+    core.check_integrity()
+    evicted = []
+    for _ in leaves:
+        before = {leaf for leaf in leaves if core.match(leaf).l1.length}
+        assert core.evict(Tier.L1, 1) == 1
+        evicted += [leaf for leaf in before if not core.match(leaf).l1.length]
+    assert evicted == order
+
+
+def test_ensure_free_succeeds_on_an_exact_fit() -> None:
+    """Free plus evictable pages exactly equal to the request: it evicts just enough and
+    reports success (no integrity error at the boundary)."""
+    core = make(ps=1, l1=4)
+    prefill(core, (1, 2))
+    lease = core.lock(core.match((1, 2)).l1)
+    prefill(core, (3,))
+    assert (core.l1.num_free, core.tree.evictable[Tier.L1]) == (1, 1)
+    assert core.can_make_room(Tier.L1, 2) and not core.can_make_room(Tier.L1, 3)
+    assert not core.ensure_free(Tier.L1, 3)
+    assert core.l1.num_free == 1  # refused: nothing was evicted
+    assert core.ensure_free(Tier.L1, 2)
+    assert core.l1.num_free == 2 and core.match((3,)).l1.length == 0
+    assert core.match((1, 2)).l1.length == 2
+    core.release(lease)
+    core.check_integrity()
+
+
+def test_a_tier_of_capacity_zero_never_starts_a_transfer() -> None:
+    """With no L3 an L2 copy cannot start H2S: can_start says so and start refuses,
+    changing nothing."""
+    core = make(l3=0)
+    node = prefill(core, (1, 2, 3, 4))
+    through(core, node, Direction.D2H)
+    assert core.can_start(Direction.D2H, node) is False  # already in L2
+    assert not core.can_start(Direction.H2S, node)
+    before = core.snapshot()
+    with pytest.raises(TransitionRefused, match="no capacity"):
+        core.start(Direction.H2S, node)
+    assert core.snapshot() == before
+    core.check_integrity()
+
+
+def test_the_core_allows_exactly_the_events_of_the_table() -> None:
+    """The core's per-state allowed events, rebuilt now, are TABLE's events of that state."""
+    from hicache.core import cache
+    from hicache.spec.model import TABLE
+
+    rebuilt = cache._build_allowed()
+    assert rebuilt == cache._ALLOWED
+    assert rebuilt == {s: frozenset(e for (s2, e) in TABLE if s2 is s) for s in RunState}
+
+
+def test_status_names_tiers_and_counts_private_and_evicted_pages() -> None:
+    """Each tier row carries its name; private pages count in L1 only; evictions are
+    counted per tier."""
+    core = make()
+    prefill(core, (1, 2, 3, 4))
+    assert core.allocate_l1(3) is not None
+    core.evict(Tier.L1, 100)
+    st = core.status()
+    assert [t.tier for t in st.tiers] == ["L1", "L2", "L3"]
+    assert [t.private for t in st.tiers] == [3, 0, 0]
+    assert [t.evicted for t in st.tiers] == [2, 0, 0]
+
+
+def test_a_failed_transfer_is_traced_on_its_runs() -> None:
+    """Tracing records a fail against the runs it touched, with the spec's states."""
+    core = make()
+    node = prefill(core, (1, 2, 3, 4))
+    x = core.start(Direction.D2H, node)
+    assert x is not None
+    core.fail(x)
+    last = core.tree.trace[-1]
+    assert (last.node, last.before, last.event, last.after) == (
+        node.id,
+        RunState.D2H_PENDING,
+        Event.FAIL_D2H,
+        RunState.L1,
+    )
+
+
+def test_a_lease_records_what_it_covers_and_its_release() -> None:
+    """A lease from a match covers the match's length (here part of a node); one taken by
+    a transfer covers the whole path; release marks it released."""
+    core = make()
+    node = prefill(core, (1, 2, 3, 4))
+    lease = core.lock(core.match((1, 2)).l1)
+    assert (lease.tier, lease.node, lease.length) == (Tier.L1, node, 2)
+    x = core.start(Direction.D2H, node)
+    assert x is not None and x.src_lease.length == 4 and x.dst_lease is None
+    core.release(lease)
+    assert lease.released is True
+
+
+def test_start_needs_a_live_node_below_the_root() -> None:
+    """The root, or a node already removed, is a bad handle (HandleError), not a refusal."""
+    core = make()
+    node = prefill(core, (1, 2))
+    with pytest.raises(HandleError):
+        core.start(Direction.D2H, core.tree.root)
+    core.evict(Tier.L1, 100)
+    assert not node.alive
+    with pytest.raises(HandleError):
+        core.start(Direction.D2H, node)
+
+
+def test_an_insert_onto_a_run_held_in_l2_is_traced_on_that_run() -> None:
+    """Adopting a request's pages on a run that holds only L2 is traced against that run:
+    L2 --insert--> L1_L2."""
+    core = make()
+    node = prefill(core, (1, 2, 3, 4))
+    through(core, node, Direction.D2H)
+    core.evict(Tier.L1, 100)
+    assert prefill(core, (1, 2, 3, 4)) is node
+    last = core.tree.trace[-1]
+    assert (last.node, last.before, last.event, last.after) == (node.id, RunState.L2, Event.INSERT, RunState.L1_L2)
+
+
+def test_match_takes_an_array_like_a_tuple() -> None:
+    """A 1-D integer array matches like the same tokens as a tuple; a 2-D one is misuse."""
+    np = pytest.importorskip("numpy")
+    core = make()
+    prefill(core, (1, 2, 3, 4))
+    assert core.match(np.array([1, 2, 3, 4, 5])).lengths == core.match((1, 2, 3, 4, 5)).lengths == (4, 0, 0)
+    with pytest.raises(MisuseError, match="1-D"):
+        core.match(np.array([[1, 2]]))

@@ -129,3 +129,13 @@ def test_no_two_transfers_race_for_l2() -> None:
     for s in RunState:
         assert not {Direction.D2H, Direction.S2H} <= s.in_flight
     assert len(TABLE) == 72
+
+
+def test_the_guards_declare_exactly_the_compiled_table() -> None:
+    """Declaring the transitions from the guards again, now, gives TABLE back, and so does
+    compiling the Machine: the table the hot path uses is what the guards say (checked
+    here at test time, not only once at import)."""
+    from hicache.spec import model
+
+    assert {(src, event): dst for event, src, dst in model._declare()} == TABLE
+    assert model._compile() == TABLE

@@ -1,0 +1,101 @@
+"""The generic explorer on a toy system small enough to count by hand.
+
+The toy is a counter 0..3: ``inc`` (below 3), ``dec`` and ``reset`` (above 0). Its key is
+the count alone, so ``dec`` and ``reset`` lead back into states seen before::
+
+    depth 1: 0 -inc-> 1                                   states 2, edges 1
+    depth 2: 1 -inc-> 2, 1 -dec-> 0*, 1 -reset-> 0*       states 3, edges 4
+    depth 3: 2 -inc-> 3, 2 -dec-> 1*, 2 -reset-> 0*       states 4, edges 7
+    depth 4: 3 -dec-> 2*, 3 -reset-> 0*                   states 4, edges 9  (* seen)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from hicache.spec.explorer import Coverage, explore
+from hicache.spec.invariants import Violation
+
+TAKEN = frozenset(
+    {(0, "inc"), (1, "inc"), (1, "dec"), (1, "reset"), (2, "inc"), (2, "dec"), (2, "reset"), (3, "dec"), (3, "reset")}
+)
+UNIVERSE = {"toy": TAKEN | {(4, "dec")}}
+
+
+class Toy:
+    """The counter; ``bad`` is an (x before, action) edge its check reports."""
+
+    def __init__(self, bad: tuple[int, str] | None = None) -> None:
+        self.x = 0
+        self.bad = bad
+        self.last: tuple[int, str] | None = None
+        self.taken: frozenset[tuple[int, str]] = frozenset()
+
+    def actions(self) -> list[str]:
+        return (["inc"] if self.x < 3 else []) + (["dec", "reset"] if self.x else [])
+
+    def apply(self, action: str) -> None:
+        self.last = (self.x, action)
+        self.taken |= {self.last}
+        self.x = {"inc": self.x + 1, "dec": self.x - 1, "reset": 0}[action]
+
+    def clone(self) -> Toy:
+        twin = Toy(self.bad)
+        twin.x, twin.last, twin.taken = self.x, self.last, self.taken
+        return twin
+
+    def key(self) -> Hashable:
+        return self.x
+
+    def check(self) -> list[Violation]:
+        if self.bad is not None and self.last == self.bad:
+            return [Violation("toy", f"x={self.x}", "bad edge", "toy.bad")]
+        return []
+
+    def coverage(self) -> Coverage:
+        return {"toy": self.taken}
+
+
+def test_counts_states_edges_and_the_coverage_of_every_edge() -> None:
+    """Exhausted at depth 4: 4 states, 9 edges; every edge's transition is covered, also
+    those into states seen before; the one unreachable transition is reported missing."""
+    levels: list[tuple[int, int, int]] = []
+    report = explore(Toy(), 10, universe=UNIVERSE, progress=lambda d, s, e: levels.append((d, s, e)))
+    assert (report.states, report.edges, report.depth, report.frontier_left) == (4, 9, 4, 0)
+    assert levels == [(1, 2, 1), (2, 3, 4), (3, 4, 7), (4, 4, 9)]
+    assert report.covered == {"toy": TAKEN} and report.missing("toy") == {(4, "dec")}
+    assert not report.violations
+    summary = report.summary()
+    assert summary.startswith("4 states, 9 edges, depth 4, transitions toy 9/10, 0 violations")
+
+
+def test_stops_at_the_depth_and_counts_the_unexpanded_frontier() -> None:
+    """At depth 2 the state reached last (x = 2) is left unexpanded."""
+    report = explore(Toy(), 2, universe=UNIVERSE)
+    assert (report.states, report.edges, report.depth, report.frontier_left) == (3, 4, 2, 1)
+    assert report.transitions == set()  # no "run" model in the toy
+
+
+def test_stops_at_max_states() -> None:
+    """``max_states`` bounds the states kept, mid-level."""
+    report = explore(Toy(), 10, max_states=3)
+    assert report.states == 3 and report.depth == 2
+
+
+def test_checks_an_edge_into_a_state_seen_before() -> None:
+    """A violation on an edge whose target was already seen (2 -reset-> 0) is reported
+    with the trace that reached it, and exploration stops there (x = 3, reached on the
+    same level, is never expanded)."""
+    report = explore(Toy(bad=(2, "reset")), 10)
+    assert len(report.violations) == 1
+    trace, violation = report.violations[0]
+    assert trace == ["inc", "inc", "reset"] and violation.code == "toy.bad"
+    assert (report.states, report.edges, report.depth, report.frontier_left) == (4, 7, 3, 0)
+
+
+def test_checks_the_initial_state() -> None:
+    """A violation in the initial state is reported with an empty trace, nothing expanded."""
+    toy = Toy(bad=(0, "start"))
+    toy.last = (0, "start")
+    report = explore(toy, 10)
+    assert report.violations[0][0] == [] and report.edges == 0 and report.states == 1
