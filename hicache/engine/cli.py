@@ -10,7 +10,6 @@ message is ``--flag VALUE: reason``.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import re
@@ -517,10 +516,6 @@ def engine_from_args(args: argparse.Namespace, net: torch.nn.Module | None = Non
         if net is None:
             net = build_model(args.model, device=args.device, dtype=dtype_of(args))
         kw = engine_kwargs(args, net, **overrides)
-        accepted = inspect.signature(Engine).parameters
-        for key, dest in _OPTIONAL_SETTINGS:
-            if key in kw and key not in accepted:
-                raise FlagError("--" + dest.replace("_", "-"), getattr(args, dest), "not supported by this engine yet")
         return Engine(args.model, net=net, **kw)
     except (ConfigError, MisuseError) as exc:
         raise flag_error(exc, args) from exc

@@ -30,6 +30,7 @@ import dataclasses
 import itertools
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -41,7 +42,15 @@ from hicache.core.controller import PendingRestore, Request, WritePolicy
 from hicache.core.cost import CostPriors
 from hicache.core.geometry import DevicePage
 from hicache.core.tokens import as_tokens
-from hicache.engine.model import AttentionImpl, CudnnUse, ModelRunner, build_model, kv_geometry, model_geometry
+from hicache.engine.model import (
+    AttentionImpl,
+    CudnnUse,
+    ModelRunner,
+    build_model,
+    kv_geometry,
+    model_geometry,
+    model_identity,
+)
 from hicache.errors import ConfigError, HiCacheError, IntegrityError
 from hicache.facade import HiCache, HiCacheConfig, _default_device
 from hicache.spec.model import Tier
@@ -181,6 +190,9 @@ class EngineConfig:
         l3_pages: int = 0,
         storage_path: str | None = None,
         storage_direct: bool = False,
+        storage_backend: str = "file",
+        storage_extra: Mapping[str, Any] | None = None,
+        storage_deadline_s: float | None = 10.0,
         policy: str = "cost",
         write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
         transfer_backend: TransferBackend = "auto",
@@ -202,6 +214,10 @@ class EngineConfig:
             l3_pages=l3_pages if enable_hicache else 0,
             storage_path=storage_path,
             storage_direct=storage_direct,
+            storage_backend=storage_backend,
+            storage_extra=storage_extra,
+            storage_deadline_s=storage_deadline_s,
+            model_id=model_identity(model, int(engine.get("seed", 0))),
             policy=policy if enable_hicache else "never",
             write_policy=write_policy,
             transfer_backend=transfer_backend,

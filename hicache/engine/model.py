@@ -13,6 +13,7 @@ attention functions. Token slots are flat: slot ``s`` is page ``s // page_size``
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -204,6 +205,23 @@ def model_geometry(model: str, page_size: int, dtype: torch.dtype) -> KVGeometry
     else:
         raise ConfigError(f"model must be one of {sorted(PRESETS)} or a local checkpoint directory, got {model!r}")
     return KVGeometry(int(layers), int(heads), int(dim), page_size, dtype)
+
+
+def model_identity(model: str, seed: int = 0) -> str:
+    """What names this model's KV in a shared store: a preset with its weights' seed, or a
+    checkpoint's directory name with a digest of its config and weight files (names and
+    sizes), so another model, or other weights, never match."""
+    if model in PRESETS:
+        return f"preset:{model}:seed={seed}"
+    p = Path(model)
+    if not p.is_dir():
+        raise ConfigError(f"model must be one of {sorted(PRESETS)} or a local checkpoint directory, got {model!r}")
+    h = hashlib.sha256()
+    for f in sorted(p.iterdir()):
+        if f.is_file() and (f.suffix in (".safetensors", ".bin") or f.name == "config.json"):
+            h.update(f.name.encode())
+            h.update(f.read_bytes() if f.name == "config.json" else str(f.stat().st_size).encode())
+    return f"checkpoint:{p.resolve().name}:{h.hexdigest()[:16]}"
 
 
 def kv_geometry(net: torch.nn.Module, page_size: int) -> KVGeometry:
