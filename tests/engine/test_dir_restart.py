@@ -45,7 +45,7 @@ e.close()
 
 
 def _run(path: Path, role: str, n: int = 2, timeout_s: float = 240) -> dict[str, object]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(
         [sys.executable, "-c", ENGINE, str(path), role, str(n)],
         capture_output=True,
@@ -78,7 +78,7 @@ def test_an_engine_killed_while_writing_leaves_nothing_torn(tmp_path: Path) -> N
     """SIGKILL during write-through: the next engine serves only whole pages (or recomputes),
     its tokens equal a run that never saw the store, and its integrity holds."""
     store = tmp_path / "l3"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(
         [sys.executable, "-c", ENGINE, str(store), "killed", "12"],
         stdout=subprocess.PIPE,

@@ -117,7 +117,7 @@ def test_layered_h2d_falls_back_to_torch_when_the_triton_scatter_fails(monkeypat
     dev = DevicePool.allocate(g, 32, "cuda")
     host = HostPool(g, 32)
     host.page_buffer.copy_(torch.randn(host.page_buffer.shape).to(g.dtype))
-    engine = TransferEngine(dev, host, "auto")
+    engine = TransferEngine(dev, host, "auto", copy_max_pages=0)  # the staged path: it scatters
     engine.h2d([0], [0]).wait()  # autotune first: it picks the Triton scatter here
 
     def broken(*args: object, **kwargs: object) -> None:
@@ -125,6 +125,7 @@ def test_layered_h2d_falls_back_to_torch_when_the_triton_scatter_fails(monkeypat
 
     monkeypatch.setattr("hicache.backends.kernels.load_layers_triton", broken)
     engine.scatter_backend = "triton"
+    engine.direct_usable = False  # not the zero-copy load: the scatter after the DMAs
     events: list[Any] = [torch.cuda.Event() for _ in range(g.num_layers)]  # type: ignore[no-untyped-call]
     with pytest.warns(RuntimeWarning, match="falling back to torch"):
         assert engine.h2d([3, 4, 9], [7, 2, 5], layer_events=events).wait()
