@@ -24,6 +24,7 @@ def _report(name: str) -> ExploreReport:
     return run(name)
 
 
+@pytest.mark.slow  # about a minute in all; CI runs it, the mutation run does not
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_config_holds_every_invariant(name: str) -> None:
     """No interleaving within the configuration's depth breaks an invariant, puts a wrong
@@ -33,6 +34,7 @@ def test_config_holds_every_invariant(name: str) -> None:
     assert report.violations == [], report.violations[0]
 
 
+@pytest.mark.slow
 def test_configs_together_reach_every_request_transition() -> None:
     """Every transition of the request table is taken by the real controller somewhere."""
     covered: set[object] = set()
@@ -68,6 +70,7 @@ def mutant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     yield config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutant", sorted(MUTATIONS), indirect=True)
 def test_explorer_finds_the_mutation(mutant: str) -> None:
     """With the bug put into the controller, the explorer reports a violation."""
