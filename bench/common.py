@@ -104,8 +104,8 @@ def fingerprint(engine: Engine, tokens: list[int], n_pages: int) -> str | None:
 class CallTimer:
     """Host time of the engine's hicache calls, split by call, and the part of it spent
     issuing transfers (the device's ``h2d``/``d2h`` and the storage's ``read``/``write``,
-    when called from inside one of those calls). DESIGN.md counts match, plan and insert as
-    bookkeeping; issuing copies is the transfer's cost, so the two are reported apart.
+    when called from inside one of those calls). The bookkeeping target (docs/RESULTS.md) counts
+    match, plan and insert; issuing copies is the transfer's cost, so the two are reported apart.
     Counts only while :attr:`on`; nested calls count once, in the outermost."""
 
     CALLS = ("poll", "admit", "plan", "start_restore", "restore", "allocate", "prefix_pages", "insert", "release")

@@ -34,7 +34,7 @@ class TransitionRefused(MisuseError):
 
 
 class IntegrityError(HiCacheError):
-    """An invariant of DESIGN.md §4 is broken. This is a bug: please report it."""
+    """An invariant of DESIGN.md §4 or §4b is broken. This is a bug: please report it."""
 
     def __init__(self, invariant: str, where: str, detail: str) -> None:
         super().__init__(f"invariant {invariant!r} broken at {where}: {detail} (this is a bug)")

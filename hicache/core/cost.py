@@ -11,22 +11,23 @@ The candidate (L1 only, L2, L3) with the largest positive ``saved - margin * C_r
 wins. Each term is an :class:`AffineCost` learned online from recurring transfer times (and,
 for recompute, from the engine's prefill timings).
 
-NOTE: DESIGN.md §7 writes the benefit as ``C_recompute(n) - margin * C_restore``. A restored
-request still prefills its tail (at least its last token), so it pays the fixed cost ``f_r``
-either way: a restore saves ``n * s_r``, not ``f_r + n * s_r``. Counting ``f_r`` leaned every
-close call toward restoring; on the H200 with a cold disk (Qwen3-8B, f_r ≈ 12 ms) the cost
-policy then chose L3 for 59 of 80 requests and ran at 0.84 of forced recompute.
+NOTE: the design contract wrote the benefit as ``C_recompute(n) - margin * C_restore``. A
+restored request still prefills its tail (at least its last token), so it pays the fixed cost
+``f_r`` either way: a restore saves ``n * s_r``, not ``f_r + n * s_r``. Counting ``f_r``
+leaned every close call toward restoring; on the H200 with a cold disk (Qwen3-8B, f_r ≈
+12 ms) the cost policy then chose L3 for 59 of 80 requests and ran at 0.84 of forced recompute.
 
-More departures from §7, all for the ``n * s_r`` rule, which needs the slope itself:
+More departures from the contract (DESIGN.md §7 lists them), all for the ``n * s_r`` rule,
+which needs the slope itself:
 
 - The fixed cost and the slope are fitted only once the window's sizes span a factor of two
   (smallest <= largest / 2): over a narrower span, timing noise decides the slope, and a
   slope near 0 would say restores save nothing. Within that, a signed EWMA of residuals:
-  §7's positive-only one could learn that a source is slower than its prior, never that it
-  is faster.
+  the contract's positive-only one could learn that a source is slower than its prior, never
+  that it is faster.
 - A negative fitted slope leaves the recompute model at its prior slope (transfers keep
-  §7's (mean, 0)): one graph-capturing prefill in the window did that on the H200, and for
-  32 requests restores "saved nothing".
+  the contract's (mean, 0)): one graph-capturing prefill in the window did that on the H200,
+  and for 32 requests restores "saved nothing".
 - Two strikes for far-off samples (:class:`AffineCost`): one more than 10x the prediction
   (and by over 50 ms) waits for the next sample to confirm it. On the H200, with the
   layered restore, a soak restored 1 of 6,101 requests: most likely its first copy held a
@@ -81,8 +82,8 @@ class AffineCost:
     # rule restores out for good: the model would never restore again, so never learn.
     outlier_ratio: float = 10.0
     outlier_min_s: float = 0.05
-    # A negative fitted slope: §7 says (mean, 0). For recompute, whose slope is what a
-    # restore saves, a slope of 0 would say restores save nothing; it keeps its prior.
+    # A negative fitted slope: the contract says (mean, 0). For recompute, whose slope is
+    # what a restore saves, a slope of 0 would say restores save nothing; it keeps its prior.
     negative_keeps_prior: bool = False
     slope: float = field(init=False)
     samples: deque[tuple[float, float]] = field(init=False)
