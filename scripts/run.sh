@@ -5,8 +5,8 @@
 # Without a GPU: the tiny model on CPU (about a minute); with one: the Qwen3-8B shape in
 # bf16. Extra arguments go to both benchmarks (e.g. --out DIR).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-cd bench
-../.venv/bin/python bench_hicache.py "$@"
-../.venv/bin/python bench_hicache_stress.py "$@"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+(cd "$ROOT" && bash scripts/setup.sh)
+# NOTE: run from the caller's directory, so a relative --out means what the caller meant.
+"$ROOT/.venv/bin/python" "$ROOT/bench/bench_hicache.py" "$@"
+"$ROOT/.venv/bin/python" "$ROOT/bench/bench_hicache_stress.py" "$@"
