@@ -47,9 +47,16 @@ def test_machine_covers_every_declared_transition() -> None:
     """Across both configurations the machine exercises every transition of the spec,
     and every step keeps integrity, model residency and page contents right."""
     covered: Counter[tuple[RunState, Event]] = Counter()
-    for machine in MACHINES:
-        run_state_machine_as_test(machine, settings=settings())
-        covered += machine.coverage
+    examples = settings().max_examples
+    # NOTE: the draws are derandomized from the code's digest, so a rare transition can go
+    # unreached for one digest; a bounded second round with more examples reaches it.
+    for _ in range(2):
+        for machine in MACHINES:
+            run_state_machine_as_test(machine, settings=settings(max_examples=examples))
+        covered = sum(({id(m.coverage): m.coverage for m in MACHINES}).values(), Counter())
+        if all(t in covered for t in TABLE):
+            break
+        examples *= 2
     missing = sorted(f"{s.name} --{e.value}-->" for (s, e) in TABLE if (s, e) not in covered)
     print(
         f"\nspec coverage: {len(TABLE) - len(missing)}/{len(TABLE)} declared transitions, "
