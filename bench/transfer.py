@@ -86,7 +86,7 @@ def device_time(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
 
 
 def gpu(fn: Callable[[], Any], reps: int) -> float:
-    """Median device seconds of ``fn`` on CUDA (used by bench/layer_load.py)."""
+    """Median device seconds of ``fn`` on CUDA (used by bench/probes/layer_load.py)."""
     return device_time(fn, reps, True)
 
 

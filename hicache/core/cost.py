@@ -11,11 +11,10 @@ The candidate (L1 only, L2, L3) with the largest positive ``saved - margin * C_r
 wins. Each term is an :class:`AffineCost` learned online from recurring transfer times (and,
 for recompute, from the engine's prefill timings).
 
-NOTE: the design contract wrote the benefit as ``C_recompute(n) - margin * C_restore``. A
-restored request still prefills its tail (at least its last token), so it pays the fixed cost
-``f_r`` either way: a restore saves ``n * s_r``, not ``f_r + n * s_r``. Counting ``f_r``
-leaned every close call toward restoring; on the H200 with a cold disk (Qwen3-8B, f_r ≈
-12 ms) the cost policy then chose L3 for 59 of 80 requests and ran at 0.84 of forced recompute.
+NOTE: the design contract writes the benefit as ``C_recompute(n) - margin * C_restore``. A restored
+request still prefills its tail (at least its last token), so it pays the fixed cost ``f_r``
+either way: a restore saves ``n * s_r``, not ``f_r + n * s_r``. Counting ``f_r`` leans every
+close call toward restoring, which loses when the source is slow (a cold disk).
 
 More departures from the contract (DESIGN.md §7 lists them), all for the ``n * s_r`` rule,
 which needs the slope itself:
@@ -26,12 +25,12 @@ which needs the slope itself:
   the contract's positive-only one could learn that a source is slower than its prior, never
   that it is faster.
 - A negative fitted slope leaves the recompute model at its prior slope (transfers keep
-  the contract's (mean, 0)): one graph-capturing prefill in the window did that on the H200,
-  and for 32 requests restores "saved nothing".
+  the contract's (mean, 0)): one slow outlier prefill (a graph capture) can tilt the fit negative,
+  and a slope of 0 would say restores save nothing.
 - Two strikes for far-off samples (:class:`AffineCost`): one more than 10x the prediction
-  (and by over 50 ms) waits for the next sample to confirm it. On the H200, with the
-  layered restore, a soak restored 1 of 6,101 requests: most likely its first copy held a
-  Triton compile (~1 s), which as a sample ruled restores out for good.
+  (and by over 50 ms) waits for the next sample to confirm it. One compile inside a timed
+  copy (~1 s against ~2 ms) would otherwise rule restores out for good, and a model that
+  never restores never learns otherwise.
 - Exploration: a source whose read direction has fewer than ``explore`` samples is tried
   (at most ``explore`` times) when no candidate wins on the priors, provided its predicted
   restore costs at most twice what it saves. Priors can be wrong by 2x (page-cached storage

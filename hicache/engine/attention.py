@@ -2,9 +2,8 @@
 
 A restored request's tail (a partial page and the question) and every decode step attend
 with a handful of queries over thousands of cached keys. SDPA kernels give such a call a
-few dozen thread blocks, each walking the whole context (on the H200, 157-528 us per layer
-for 22 queries over 3,584 keys, 223-3,523 us for a decode batch of 32 over 2,048;
-``bench/rss_shapes.py``), and the engine first gathers K/V out of the pool into new tensors.
+few dozen thread blocks, each walking the whole context (``bench/probes/rss_shapes.py``
+times them), and the engine first gathers K/V out of the pool into new tensors.
 ``paged_attention_triton`` is split-K ("flash decoding"):
 
 * pass 1, one program per ``(sequence, K/V head, key split, query-row block)``: loads the

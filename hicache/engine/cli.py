@@ -220,7 +220,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         "--hicache-storage-backend",
         choices=STORAGE_BACKENDS,
         default="file",
-        help="L3 store: file (one preallocated file), dir (a file per page run under a directory), "
+        help="L3 store: file (one preallocated file), dir (a file per page under a directory), "
         "mooncake (a Mooncake store; see the extra config)",
     )
     h.add_argument(

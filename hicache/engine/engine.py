@@ -123,6 +123,7 @@ class EngineStats:
     finished: int = 0
     aborted: int = 0
     errors: int = 0
+    requeued: int = 0  # requests that gave their pins back for lack of L1 room, to be admitted again
     prefills: int = 0
     prefill_tokens: int = 0
     prefill_s: float = 0.0
@@ -277,6 +278,7 @@ class Engine:
         self._finished: list[Output] = []
         self.prefills_before_decode = config.prefills_before_decode
         self._prefills_in_row = 0
+        self._admission_held = False  # a request gave its pins back for others: admit none until one moves
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -325,6 +327,16 @@ class Engine:
         if seq.req is not None and not seq.req.released:
             self.cache.release(seq.req)
 
+    def _requeue(self, seq: _Seq) -> None:
+        """Give back what ``seq`` holds and put it first in line again; no other request is
+        admitted until one of those in flight moves (each such step serves, decodes or
+        requeues one, so a lone request that still cannot fit fails: it never fits)."""
+        self._drop(seq)
+        del self._active[seq.id]
+        self._waiting.appendleft(_Seq(seq.id, seq.prompt, seq.max_new, seq.arrived))
+        self._admission_held = True
+        self.stats.requeued += 1
+
     def state_of(self, rid: int) -> SeqState | None:
         """Where request ``rid`` is in the loop; None once finished (or never submitted)."""
         seq = self._active.get(rid)
@@ -348,7 +360,7 @@ class Engine:
         self.stats.cache_s += time.perf_counter() - t0
         for restore in finished:
             self._restored(restore)
-        while self._waiting and len(self._active) < self.max_batch:
+        while self._waiting and len(self._active) < self.max_batch and not self._admission_held:
             seq = self._waiting.popleft()
             self._guarded(seq, self._admit)
         ready = next((s for s in self._active.values() if s.state is SeqState.READY), None)
@@ -361,13 +373,18 @@ class Engine:
             self._prefills_in_row += ran
             if ran and restoring:
                 self.stats.prefill_s_while_restoring += time.perf_counter() - t0
-        if not ran:
+        if ran:
+            self._admission_held = False
+        else:
             if decoding:
                 self._decode(decoding, restoring)
                 self._prefills_in_row = 0
+                self._admission_held = False
             elif ready is not None and ready.id in self._active and not restoring:
                 if cache.status().pending_backups:
                     cache.drain()  # NOTE: pages pinned by backups free up when they land: wait, not fail
+                elif len(self._active) > 1:
+                    self._requeue(ready)  # the others' pins fill L1: it waits, they go first
                 else:
                     self._fail(ready, f"no room in L1 for a prompt of {len(ready.prompt)} tokens")
             elif self._active:

@@ -243,55 +243,11 @@ def resolve_attention(attention: AttentionImpl, device: str | torch.device) -> A
 class ModelRunner:
     """Forward passes of ``net`` whose KV lives in ``pool``; returns last-token logits.
 
-    On CUDA, batches of at most ``graph_tokens`` new tokens that read cached context (decode
-    batches, the tail of a restored prompt) replay CUDA graphs captured per
-    ``(batch, new tokens, context bucket)``: an eager forward of a 36-layer transformers
-    model launches thousands of small kernels, and for a handful of tokens the launches,
-    not the GPU, set the time. Contexts are padded to ``graph_bucket`` tokens (masked).
-    Large prefills run eagerly (their kernels are long enough to hide the launches).
-    Prefills with no cached context of at most ``graph_tokens`` tokens run as a tail over an
-    empty context (they read their own new tokens' K/V back from the pool) and replay graphs
-    too when ``graph_short_prefills`` (``None``, the default: whenever CUDA graphs are on).
-    On the H200 an eager 32-token prefill of Qwen3-8B took ~47 ms, bound by launches, and
-    graphing them raised the decode overlap of a pending restore by 2–8 points (to 68–74%, README).
-    Their graphs (one per batch and length) hold at most a quarter of ``max_graphs``, so a
-    workload of many prompt lengths leaves room for decode batches; past that share a new
-    length runs eagerly. Longer prefills, and all of them with ``graph_short_prefills=False``,
-    run eagerly on the direct path.
-
-    Attention over cached context (``attention``): ``"paged"`` runs
-    :func:`hicache.engine.attention.paged_attention_triton` for calls of at most
-    ``MAX_QUERY_TOKENS`` new tokens (decode steps, a restored prompt's tail): split-K over the
-    context, K/V read straight from the pool, no mask tensor; longer calls use SDPA like
-    ``"gqa"``. ``"gqa"`` gathers K/V and calls SDPA with ``enable_gqa``; ``"fold"`` folds
-    each K/V head's query group into its query length and calls plain SDPA (``_folded``).
-    ``"auto"`` (the default) is ``"paged"`` on CUDA with Triton installed, else ``"gqa"``.
-    cuDNN's SDPA backend (``cudnn``) is ``"off"`` by default: it holds native memory across
-    the changing shapes an engine sends (in the GPU soak, ~850 MiB in 5 minutes;
-    docs/RELIABILITY.md). ``"graphs"`` allows it only while capturing CUDA graphs
-    (bucketed shapes, at most ``max_graphs``), ``"on"`` everywhere; both are for measuring.
-
-    Layered forwards (``forward(..., layered=True)``) serve a request whose prefix is still
-    being restored: each layer's attention first waits on ``layer_events[l]``, which the
-    transfer records once layer ``l`` has landed (``TransferEngine.h2d(layer_events=...)``),
-    so the forward runs beside the copy instead of after it. On CUDA they run on their own
-    stream (a decode batch on the caller's stream is not queued behind the copy) with their
-    own graphs and graph memory pool; :meth:`join_layered` makes the caller's stream wait for
-    them, and :attr:`layered_busy` says one is still running (the events are shared: start
-    the next layered restore only when it is not). On CPU the events are empty and the
-    forward is an ordinary one. ``layer_groups`` (the transfer's ``layer_groups()``) lets the
-    layers that land together share one event (fewer records on the copy's path).
-
-    NOTE: torch hands each graph the cuBLAS workspace of the stream it was captured on, and
-    a GEMM of a few rows over a wide matrix (split-K) uses that workspace; two graphs
-    captured on one stream and replayed at once on two streams share it: on the H200 a
-    layered prefill beside decode batches hung (Qwen3-8B), and the same GEMMs in two such
-    graphs gave other outputs in 65 of 1,200 replays (``bench/layered_hang_min.py --gemms
-    qwen3-8b``; 0 with a stream each). So the runner captures on streams of its own: the layered
-    graphs on the side stream they replay on, the others on ``_capture_stream``; both made with
-    :func:`hicache.backends.dma.new_stream` where cuda-python allows (torch's pooled streams
-    can be the same stream; the fallback gives the side stream the high-priority pool).
-    :meth:`close` hands them on to the next runner (a runner dropped without it keeps them).
+    On CUDA, batches of a few new tokens (decode, a restored prompt's tail, short fresh
+    prefills) replay CUDA graphs captured per ``(batch, new tokens, context bucket)``: for
+    so few tokens the launches of an eager forward, not the GPU, set the time. Layered
+    forwards serve a request whose prefix is still landing: each layer waits on that
+    layer's event, on a stream of their own so decode batches are not queued behind the copy.
     """
 
     def __init__(
@@ -308,6 +264,15 @@ class ModelRunner:
         cudnn: CudnnUse = "off",
         layer_groups: Sequence[tuple[int, int]] | None = None,
     ) -> None:
+        """``graph_tokens``: the most new tokens a graph replays; contexts are padded to
+        ``graph_bucket``; at most ``max_graphs`` graphs, of which short fresh prefills
+        (``graph_short_prefills``, None: whenever graphs are on) take at most a quarter.
+        ``attention``: ``"paged"`` (the Triton kernel up to ``MAX_QUERY_TOKENS`` new tokens,
+        SDPA beyond), ``"gqa"`` (SDPA with ``enable_gqa``), ``"fold"`` (query groups folded
+        into the query length), ``"auto"`` (paged on CUDA with Triton, else gqa). ``cudnn``:
+        cuDNN's SDPA backend keeps host memory per distinct shape and an engine's shapes
+        keep changing, so ``"off"``; ``"graphs"`` (captures only) and ``"on"`` are for
+        measuring. ``layer_groups``: the transfer's; layers landing together share an event."""
         if attention not in ("auto", "paged", "gqa", "fold"):
             raise ConfigError(f"attention must be 'auto', 'paged', 'gqa' or 'fold', got {attention!r}")
         attention = resolve_attention(attention, pool.device)
@@ -351,6 +316,10 @@ class ModelRunner:
             self.layer_events = tuple(e for e, (lo, hi) in zip(shared, groups, strict=True) for _ in range(lo, hi))
             for event in shared:
                 event.record()  # a wait on a never-recorded event is not allowed in a capture
+            # NOTE: a graph uses the cuBLAS workspace of the stream it was captured on; two graphs
+            # captured on one stream and replayed at once on two share it, and a layered prefill
+            # beside decode batches then hangs or computes wrong values
+            # (bench/probes/layered_hang_min.py). So each replay stream captures its own graphs.
             self._side = _own_stream(pool.device, priority=-1)
             self._capture_stream = _own_stream(pool.device, priority=0)
             self._layered_done = make()
@@ -373,7 +342,8 @@ class ModelRunner:
 
     @property
     def layered_busy(self) -> bool:
-        """A layered forward is still running on the device."""
+        """A layered forward is still running on the device (the layer events are shared:
+        start the next layered restore only when this is False)."""
         return self._layered_done is not None and not self._layered_done.query()
 
     def wait_layered(self) -> None:
@@ -410,8 +380,10 @@ class ModelRunner:
         """``seqs``: ``(new_tokens, pages, cached_len)`` each; all in one batch must have the
         same number of new tokens (prefill batches, or decode batches of one token each).
         ``pages`` cover ``[0, cached_len + len(new_tokens))``. Returns ``[B, vocab]``.
-        ``layered``: the cached pages are still landing (see the class docstring); the
-        logits are then not ready until :meth:`join_layered`."""
+        ``layered``: the cached pages are still landing; each layer's attention first waits
+        on ``layer_events[l]``, which the transfer records once layer ``l`` has landed (on CPU
+        the events are empty: an ordinary forward); the logits are not ready until
+        :meth:`join_layered`."""
         if self.closed:
             raise MisuseError("forward on a closed model runner")
         with contextlib.nullcontext() if self._backends is None else sdpa_kernel(self._backends):
@@ -547,7 +519,7 @@ _SPARE_STREAMS: dict[int, list[Any]] = {}  # by device index: streams of closed 
 
 
 def _own_stream(device: torch.device, priority: int) -> Any:
-    """A stream no other open runner uses (see ModelRunner's note on the cuBLAS workspace):
+    """A stream no other open runner uses (the cuBLAS workspace: see ModelRunner.__init__):
     a closed runner's, or a new one (``dma.new_stream``); without cuda-python one of torch's
     pooled streams (``priority`` picks the pool)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -596,7 +568,7 @@ class _Graph:
 
     def _capture(self) -> None:
         # NOTE: on the runner's own streams, never torch's default capture stream (the
-        # cuBLAS workspace: see ModelRunner); the warm-up runs there too, so no other
+        # cuBLAS workspace: see ModelRunner.__init__); the warm-up runs there too, so no other
         # stream touches that workspace.
         on = self.runner._side if self.layered else self.runner._capture_stream
         caller = torch.cuda.current_stream()

@@ -17,6 +17,9 @@ Each L1 page's bytes are a content tag of the token prefix it holds. After every
 prefix's tags (nothing readable before it is published); every page published in L1 or L2
 holds the tag of its prefix. ``coverage`` / ``request_coverage`` accumulate the page-run and
 request transitions taken over all runs (the test asserts both are complete).
+
+An embedder fuzzes their own L1 pool and L1 <-> L2 mover with :func:`machines_over`
+(docs/TESTING.md; ``docs/examples/fuzz_my_loop.py``).
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import pytest
@@ -43,10 +46,11 @@ from hicache.core.controller import Request
 from hicache.core.geometry import KVGeometry
 from hicache.core.keys import page_keys
 from hicache.core.node import Node
-from hicache.errors import MisuseError
+from hicache.core.protocols import DeviceMover
+from hicache.errors import HiCacheError, MisuseError
 from hicache.facade import HiCache, HiCacheConfig
-from hicache.spec.model import Event, RunState, Tier
-from hicache.spec.request import ReqEvent, ReqState
+from hicache.spec.model import TABLE, Event, RunState, Tier
+from hicache.spec.request import REQUEST_TABLE, ReqEvent, ReqState
 from hicache.testing.fake_backend import page_tag
 from hicache.testing.memory_store import MemoryStore
 
@@ -96,6 +100,9 @@ FOLLOW_UPS = [
     "none", "land_copy", "fail_copy", "land_io", "fail_io", "abort_all", "recompute",
     "drop_L1", "drop_L2", "drop_L3", "restore", "restore_ext", "extend", "abort_all+drop_L1",
     "begin_copy", "begin_io+abort_all+drop_L1",
+    # the request calls in each state that allows them (a restore from L2 in flight, then done)
+    "restore+alloc+land_copy+alloc+alloc+insert_last+alloc", "restore+land_copy+insert_last",
+    "restore+land_copy+alloc+release_last",
 ]  # fmt: skip
 
 
@@ -244,6 +251,18 @@ class FacadeMachine(RuleBasedStateMachine):
         assert self.cache is not None
         return self.cache
 
+    # -- what an embedder swaps in -------------------------------------------------------------
+
+    def make_l1(self, geometry: KVGeometry, pages: int) -> torch.Tensor | None:
+        """The L1 KV pool the cache is built over (``[2, layer, page, token, kv_head,
+        head_dim]`` on the CPU); None lets the cache allocate one."""
+        return None
+
+    def make_device(self, cache: HiCache) -> DeviceMover:
+        """The L1 <-> L2 mover over ``cache.l1`` and ``cache.l2`` (the scheduled machines
+        wrap it); by default the cache's own :class:`~hicache.backends.transfer.TransferEngine`."""
+        return cache.device
+
     # -- helpers -----------------------------------------------------------------------------
 
     def _build(self, sizes: tuple[int, int, int], policy: str) -> None:
@@ -253,24 +272,24 @@ class FacadeMachine(RuleBasedStateMachine):
             self.store = MemoryStore(host)
             return self.store
 
-        self.cache = c = HiCache(
-            HiCacheConfig(
-                G,
-                l1_pages=l1,
-                l2_pages=l2,
-                l3_pages=l3,
-                policy="always",
-                write_policy=policy,
-                selective_hits=1,
-                device="cpu",
-                tracing=True,
-                transfer_backend="torch",
-                model_id="facade-machine",
-            ),
-            store=memory if self.shared and l3 else None,
+        config = HiCacheConfig(
+            G,
+            l1_pages=l1,
+            l2_pages=l2,
+            l3_pages=l3,
+            policy="always",
+            write_policy=policy,
+            selective_hits=1,
+            device="cpu",
+            tracing=True,
+            transfer_backend="torch",
+            model_id="facade-machine",
         )
+        self.cache = c = HiCache(config, self.make_l1(G, l1), store=memory if self.shared and l3 else None)
         _note(f"sizes {sizes}, {policy}")
+        mover = self.make_device(c)
         if not self.scheduled:
+            c.controller.device = mover
             return
         host, dev = c.l2.page_buffer, c.l1.buffer.transpose(0, 2)
 
@@ -280,7 +299,7 @@ class FacadeMachine(RuleBasedStateMachine):
 
             return run
 
-        device = ScheduledMover(c.device, {"d2h": poison(host), "h2d": poison(dev)})
+        device = ScheduledMover(mover, {"d2h": poison(host), "h2d": poison(dev)})
         self.movers = [device]
         c.controller.device = device
         if c.storage is not None:
@@ -383,6 +402,12 @@ class FacadeMachine(RuleBasedStateMachine):
         elif op == "lose_store":
             for i in range(len(pe) // G.page_size):
                 self._lose(tuple(pe), i)
+        elif op == "alloc":
+            self.allocate(len(self.requests) - 1, 1)
+        elif op == "insert_last":
+            self.prefill_and_insert(len(self.requests) - 1)
+        elif op == "release_last":
+            self.release(len(self.requests) - 1)
         elif op == "abort_all":
             while self.requests:
                 self.release(0)
@@ -643,15 +668,61 @@ class RealBackendsMachine(FacadeMachine):
     request_coverage: ClassVar[Counter[tuple[ReqState, ReqEvent]]] = Counter()
 
 
-def sweep_recipes() -> None:
+def sweep_recipes(
+    machine: type[FacadeMachine] = FacadeMachine, shared: type[FacadeMachine] | None = SharedStoreMachine
+) -> None:
     """Every recipe followed by every follow-up, then closed: each page-run state meets each
-    kind of next event at least once (the random machines add the interleavings)."""
-    runs = [(FacadeMachine, r, t) for r in sorted(RECIPES) for t in FOLLOW_UPS]
-    runs += [(SharedStoreMachine, r, t) for r in sorted(SHARED_RECIPES) for t in ("none", "settle", "abort_all")]
-    for machine, recipe, then in runs:
-        m = machine()
-        m.seed(sizes=SIZES[0], policy="write_through", seeds=[[0, 0]], drop=(), recipe=recipe, then=then)
-        m.integrity()
-        m.usable_pages_hold_the_request_prefix()
-        m.published_pages_hold_their_prefix()
-        m.teardown()
+    kind of next event at least once (the random machines add the interleavings). A broken
+    check raises AssertionError naming the recipe and the follow-up."""
+    runs = [(machine, r, t) for r in sorted(RECIPES) for t in FOLLOW_UPS]
+    if shared is not None:
+        runs += [(shared, r, t) for r in sorted(SHARED_RECIPES) for t in ("none", "settle", "abort_all")]
+    for cls, recipe, then in runs:
+        m = cls()
+        try:
+            m.seed(sizes=SIZES[0], policy="write_through", seeds=[[0, 0]], drop=(), recipe=recipe, then=then)
+            m.integrity()
+            m.usable_pages_hold_the_request_prefix()
+            m.published_pages_hold_their_prefix()
+            m.teardown()
+        except (AssertionError, HiCacheError) as exc:
+            raise AssertionError(f"{cls.__name__}: recipe {recipe!r} then {then!r}: {exc}") from exc
+
+
+class Machines(NamedTuple):
+    """The three facade machines over one choice of backends."""
+
+    scheduled: type[FacadeMachine]
+    shared: type[FacadeMachine]
+    real: type[FacadeMachine]
+
+
+def machines_over(
+    l1: Callable[[KVGeometry, int], torch.Tensor] | None = None,
+    device: Callable[[HiCache], DeviceMover] | None = None,
+) -> Machines:
+    """The three machines with ``l1(geometry, pages)`` as the L1 pool and ``device(cache)``
+    as the L1 <-> L2 mover (None: ours), each with coverage counters of its own."""
+
+    def bind(base: type[FacadeMachine]) -> type[FacadeMachine]:
+        body: dict[str, Any] = {"coverage": Counter(), "request_coverage": Counter()}
+        if l1 is not None:
+            body["make_l1"] = lambda self, geometry, pages: l1(geometry, pages)
+        if device is not None:
+            body["make_device"] = lambda self, cache: device(cache)
+        return type(base.__name__, (base,), body)
+
+    return Machines(bind(FacadeMachine), bind(SharedStoreMachine), bind(RealBackendsMachine))
+
+
+def missing_transitions(machines: Iterable[type[FacadeMachine]]) -> tuple[list[str], list[str]]:
+    """The page-run and the request transitions none of ``machines`` has taken so far."""
+    runs: Counter[tuple[RunState, Event]] = Counter()
+    reqs: Counter[tuple[ReqState, ReqEvent]] = Counter()
+    for m in machines:
+        runs += m.coverage
+        reqs += m.request_coverage
+    return (
+        sorted(f"{s.name} --{e.value}-->" for (s, e) in TABLE if (s, e) not in runs),
+        sorted(f"{s.value} --{e.value}-->" for (s, e) in REQUEST_TABLE if (s, e) not in reqs),
+    )

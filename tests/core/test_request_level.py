@@ -1,5 +1,5 @@
-"""The request level: the declared request lifecycle, check-then-commit restores, and the
-defects it closes (each test here failed before the request model existed)."""
+"""The request level: the declared request lifecycle, check-then-commit restores, and what
+they guarantee (prompts around a page, room-making, validation, no leftover bookkeeping)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def settle(c: HiCache) -> None:
     c.check_integrity()
 
 
-# -- defect 1: prompts around a page ---------------------------------------------------------
+# -- prompts around a page ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -85,7 +85,7 @@ def test_an_empty_prompt_is_refused_at_admit() -> None:
     c.close()
 
 
-# -- defects 2, 3, 4: room-making never evicts what the decision needs ------------------------
+# -- room-making never evicts what the decision needs ------------------------------------------
 
 
 @pytest.mark.parametrize("source", [Tier.L2, Tier.L3])
@@ -151,7 +151,7 @@ def test_a_backup_does_not_evict_its_own_parent() -> None:
     c.close()
 
 
-# -- defect 5: an extension inserted while its parent's backup is in flight ------------------
+# -- an extension inserted while its parent's backup is in flight ------------------------------
 
 
 def test_an_extension_inserted_during_its_parents_backup_is_backed_up() -> None:
@@ -170,7 +170,7 @@ def test_an_extension_inserted_during_its_parents_backup_is_backed_up() -> None:
     c.close()
 
 
-# -- defect 6: a restore lists exactly its own prefix ----------------------------------------
+# -- a restore lists exactly its own prefix ----------------------------------------------------
 
 
 def test_a_restore_that_ends_inside_a_run_moves_and_names_only_its_prefix() -> None:
@@ -197,7 +197,7 @@ def test_a_restore_that_ends_inside_a_run_moves_and_names_only_its_prefix() -> N
     c.close()
 
 
-# -- defect 8: configuration validated before anything is opened -----------------------------
+# -- configuration validated before anything is opened -----------------------------------------
 
 
 def _fds() -> int:
@@ -230,7 +230,7 @@ def test_cuda_without_cuda_is_a_config_error() -> None:
         make(device="cuda")
 
 
-# -- defect 9: typed errors for every bad argument, nothing changed -------------------------
+# -- typed errors for every bad argument, nothing changed --------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -339,7 +339,7 @@ def test_every_call_checks_closed_and_thread() -> None:
     c.close()  # idempotent
 
 
-# -- defect 10: no bookkeeping that outlives the runs ----------------------------------------
+# -- no bookkeeping that outlives the runs -----------------------------------------------------
 
 
 def _bookkeeping(c: HiCache) -> int:
@@ -386,7 +386,7 @@ def test_selective_backs_up_only_after_enough_hits_and_write_back_never_early() 
     c.close()
 
 
-# -- bookkeeping: at most two tree walks per request ------------------------------------------
+# -- bookkeeping: at most two tree walks per request -------------------------------------------
 
 
 @pytest.mark.parametrize("source", [None, Tier.L2, Tier.L3])

@@ -198,11 +198,11 @@ def test_an_eager_layered_prefill_keeps_its_inputs_while_another_prefill_runs() 
 
 @pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
 def test_a_layered_restore_beside_decoding_changes_no_output() -> None:
-    """The scene that hung on the H200 with Qwen3-8B (session 7): requests decode on the
-    caller's stream while a layered restore's prefill runs on its own. With the copy held
-    back ~50 ms, the decoders' tokens and the restored request's logits must equal those of
-    the same run with the layered restore off (the restored request takes one token, so
-    every decode batch has the same rows in both runs)."""
+    """The scene that hangs when two streams replay graphs captured on one (Qwen3-8B
+    shapes): requests decode on the caller's stream while a layered restore's prefill runs
+    on its own. With the copy held back ~50 ms, the decoders' tokens and the restored
+    request's logits must equal those of the same run with the layered restore off (the
+    restored request takes one token, so every decode batch has the same rows in both runs)."""
     rng = random.Random(11)
     prefix = [rng.randrange(512) for _ in range(288)]
     decoders = [[rng.randrange(512) for _ in range(40)] for _ in range(3)]

@@ -1,0 +1,88 @@
+"""docs/examples/fuzz_my_loop.py runs as written, and catches a broken backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from hicache import HiCache
+from hicache.core.geometry import KVGeometry
+from hicache.core.protocols import DeviceMover
+from hicache.testing.facade_machine import machines_over
+
+QUICK = [p for p in Phase if p is not Phase.explain]  # explaining a failure takes minutes
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "fuzz_my_loop.py"
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fuzz_my_loop", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(EXAMPLE), "--examples", "5", "--derandomize", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def test_the_example_passes_over_our_backends_and_takes_every_transition() -> None:
+    """As a user runs it (our pool and mover on the CPU): it passes, and with the sweep it
+    reports every page-run and every request transition taken."""
+    done = _run()
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "passed: page-run transitions 72/72, request transitions 21/21" in done.stdout, done.stdout
+
+
+def test_the_example_fails_on_a_mover_that_corrupts_one_byte() -> None:
+    """``--broken h2d`` (one byte flipped in every H2D's first page) exits non-zero with the
+    content check's report."""
+    done = _run("--broken", "h2d")
+    assert done.returncode != 0
+    assert "holds wrong content" in done.stderr, done.stderr[-4000:]
+
+
+@pytest.mark.parametrize(
+    ("machine", "direction"), [("scheduled", "h2d"), ("scheduled", "d2h"), ("shared", "d2h"), ("real", "d2h")]
+)
+def test_each_machine_runs_over_the_mover_it_is_given(machine: str, direction: str) -> None:
+    """Random runs alone (no sweep) of each machine from ``machines_over`` find a mover that
+    flips one byte per copy: the L1 (H2D) and the L2 (D2H) content checks."""
+    example = _example()
+    cls = getattr(machines_over(l1=example.my_l1, device=example.broken(direction)), machine)
+    config = settings(max_examples=20, stateful_step_count=40, derandomize=True, database=None, phases=QUICK)
+    with pytest.raises(AssertionError, match="holds wrong content"):
+        run_state_machine_as_test(cls, settings=config)
+
+
+def test_the_cache_is_built_over_the_pool_the_machine_is_given() -> None:
+    """``machines_over(l1=...)``: the cache's L1 is the very tensor the embedder made."""
+    example = _example()
+    pools: list[torch.Tensor] = []
+    built: list[bool] = []
+
+    def pool(geometry: KVGeometry, pages: int) -> torch.Tensor:
+        pools.append(example.my_l1(geometry, pages))
+        return pools[-1]
+
+    def mover(cache: HiCache) -> DeviceMover:
+        built.append(cache.l1.buffer is pools[-1])
+        return cache.device
+
+    config = settings(max_examples=3, stateful_step_count=5, derandomize=True, database=None)
+    run_state_machine_as_test(machines_over(l1=pool, device=mover).scheduled, settings=config)
+    assert built and all(built)
