@@ -329,8 +329,9 @@ class Engine:
 
     def _requeue(self, seq: _Seq) -> None:
         """Give back what ``seq`` holds and put it first in line again; no other request is
-        admitted until one of those in flight moves (each such step serves, decodes or
-        requeues one, so a lone request that still cannot fit fails: it never fits)."""
+        admitted until one of those in flight prefills or decodes, or all have left (each
+        such step serves, decodes, requeues or ends one, so a lone request that still cannot
+        fit fails: it never fits)."""
         self._drop(seq)
         del self._active[seq.id]
         self._waiting.appendleft(_Seq(seq.id, seq.prompt, seq.max_new, seq.arrived))
@@ -360,6 +361,8 @@ class Engine:
         self.stats.cache_s += time.perf_counter() - t0
         for restore in finished:
             self._restored(restore)
+        if not self._active:
+            self._admission_held = False  # those it waited for left (finished, aborted, failed)
         while self._waiting and len(self._active) < self.max_batch and not self._admission_held:
             seq = self._waiting.popleft()
             self._guarded(seq, self._admit)

@@ -156,3 +156,31 @@ def test_requests_that_do_not_fit_together_take_turns_instead_of_failing(policy:
     assert [outs[r].tokens for r in rids] == want
     assert e.stats.requeued > 0  # the case arose: some request gave its pins back
     e.cache.check_integrity()
+
+
+def test_a_requeued_request_is_admitted_again_when_the_others_are_aborted() -> None:
+    """Two requests whose pinned hits fill L1 together: one gives its pins back and waits;
+    the client then aborts the other. The waiting one is admitted and served (the engine
+    does not wait for a prefill or decode that will never come)."""
+    pa = [(7 * i + 3) % 500 for i in range(5 * PS)]
+    pb = [(11 * i + 5) % 500 for i in range(5 * PS)]
+    e = engine(num_pages=14, max_batch=2)
+    e.generate(pa, 1)
+    e.generate(pb, 1)  # both prefixes in L1: 10 of 14 pages
+    rids = [e.submit(pa + list(range(17)), 2), e.submit(pb + list(range(17)), 2)]
+    for _ in range(1000):
+        e.step()
+        if e.stats.requeued:
+            break
+    assert e.stats.requeued == 1
+    waiting = next(r for r in rids if e.state_of(r) is SeqState.WAITING)
+    other = next(r for r in rids if r != waiting)
+    assert e.abort(other)
+    outs = []
+    for _ in range(1000):  # bounded: a stuck engine shows as requests still pending
+        if not e.pending:
+            break
+        outs += e.step()
+    assert e.pending == 0
+    assert sorted((o.id, o.error) for o in outs) == sorted([(waiting, None), (other, "aborted")])
+    e.cache.check_integrity()
