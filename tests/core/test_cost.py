@@ -235,3 +235,25 @@ def test_bad_priors_raise(bad: dict[str, Any]) -> None:
 def test_unknown_policy_raises() -> None:
     with pytest.raises(ConfigError, match="policy"):
         CostModel(QWEN8B, policy="sometimes")
+
+
+def test_always_prices_only_the_tokens_past_the_l1_hit() -> None:
+    """A plan's recompute saving counts the tokens past the L1 hit (restoring 64 over a 16
+    hit saves what recomputing 48 costs), and its restore cost is the model's for that tier."""
+    m = CostModel(QWEN8B, policy="always")
+    over_hit = m.decide(16, 64, 0)
+    cold = m.decide(0, 48, 0)
+    assert over_hit.tier is cold.tier is Tier.L2
+    assert over_hit.predicted_recompute_s == pytest.approx(cold.predicted_recompute_s)
+    assert over_hit.predicted_restore_s == pytest.approx(m.restore_cost(Tier.L2, 16, 64, 0, 64))
+    from_l3 = m.decide(0, 16, 64)
+    assert from_l3.tier is Tier.L3
+    assert from_l3.predicted_restore_s == pytest.approx(m.restore_cost(Tier.L3, 0, 16, 64, 64))
+
+
+def test_cost_keeps_the_l1_hit_when_nothing_beats_it() -> None:
+    """Under the cost policy, a prompt with nothing worth restoring keeps its L1 hit: the
+    plan is L1 at exactly that length."""
+    m = CostModel(QWEN8B, CostPriors(storage_read_gib_s=0.001, explore=0))
+    plan = m.decide(32, 0, 48)
+    assert (plan.tier, plan.tokens) == (Tier.L1, 32)

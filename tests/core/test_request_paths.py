@@ -13,7 +13,7 @@ import xxhash
 from hicache import HiCache, HiCacheConfig
 from hicache.core.geometry import KVGeometry
 from hicache.core.keys import FORMAT_VERSION, format_seed, page_keys
-from hicache.errors import MisuseError
+from hicache.errors import IntegrityError, MisuseError
 from hicache.spec.request import ReqState
 from hicache.testing.explore_requests import CONFIGS
 
@@ -57,6 +57,12 @@ def test_a_mover_that_cannot_issue_fails_the_transfer_and_nothing_else(monkeypat
         cache.release(req)
         cache.check_integrity()
         assert cache.status().metrics["directions"]["D2H"]["failed"] == 1
+        other = cache.admit([7, 8])
+        page = cache.allocate(other, 1)
+        assert page is not None
+        cache.insert(other, page)
+        cache.release(other)
+        assert cache.status().metrics["directions"]["D2H"]["failed"] == 2  # counted, not set
         again = cache.admit([1, 2, 3, 4])
         assert again.hit == (4, 0, 0)
         cache.release(again)
@@ -108,3 +114,17 @@ def test_page_keys_follow_the_documented_derivation() -> None:
     assert page_keys(seed, tokens, 2) == want
     with pytest.raises(MisuseError, match="page_size must be a positive int"):
         page_keys(seed, tokens, 0)
+
+
+def test_a_broken_request_invariant_is_named_by_check_integrity() -> None:
+    """check_integrity() raises IntegrityError naming the request invariant that broke."""
+    with make() as cache:
+        req = cache.admit([1, 2, 3, 4])
+        pages = cache.allocate(req, 2)
+        assert pages is not None
+        cache.insert(req, pages)
+        req.cached_len = 1  # corrupt: not page aligned
+        with pytest.raises(IntegrityError) as info:
+            cache.check_integrity()
+        assert info.value.invariant == "request-cached"
+        req.cached_len = 4
