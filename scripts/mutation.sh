@@ -19,7 +19,7 @@ SEED=22
 JOBS=$(nproc)
 PROFILE=ci
 ONLY=()
-TESTS="tests/spec tests/core tests/stateful"
+TESTS="tests/spec tests/core tests/stateful tests/test_metrics.py"
 MAX_SECONDS=0
 REPORT_ONLY=0
 while [ $# -gt 0 ]; do
