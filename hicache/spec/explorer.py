@@ -14,6 +14,7 @@ model, ``TABLE``'s keys) to the transitions taken on the way to the state, and
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -137,3 +138,29 @@ def explore(
     report.frontier_left = len(level) if ok and report.depth == depth else 0
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def transition_name(transition: Hashable) -> str:
+    """``STATE--event`` for a (state, event) transition, for reports."""
+    if isinstance(transition, tuple) and len(transition) == 2:
+        state, event = transition
+        return f"{getattr(state, 'name', state)}--{getattr(event, 'value', event)}"
+    return repr(transition)
+
+
+def explore_main(
+    argv: list[str] | None,
+    description: str,
+    configs: Collection[str],
+    run: Callable[[str, int | None], ExploreReport],
+) -> int:
+    """A command line over named configurations: ``[--config NAME]... [--depth N]``; exit 1
+    if any configuration reports a violation."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--config", choices=sorted(configs), action="append")
+    ap.add_argument("--depth", type=int, default=None, help="default: each configuration's own")
+    args = ap.parse_args(argv)
+    failed = False
+    for name in args.config or sorted(configs):
+        failed |= bool(run(name, args.depth).violations)
+    return 1 if failed else 0

@@ -15,7 +15,6 @@ invariants, page content (ordering) and, after an eviction, LRU order.
 
 from __future__ import annotations
 
-import argparse
 import pickle
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Self
 from hicache.core.cache import CacheCore
 from hicache.core.geometry import DevicePage, TierSizes
 from hicache.core.node import Lease, Node, Transfer
-from hicache.spec.explorer import Coverage, ExploreReport, explore
+from hicache.spec.explorer import Coverage, ExploreReport, explore, explore_main, transition_name
 from hicache.spec.invariants import Violation, check_all
 from hicache.spec.model import TABLE, Direction, RunState, Tier, may_evict
 from hicache.spec.snapshot import Snapshot
@@ -338,28 +337,15 @@ def run(name: str, depth: int | None = None, *, verbose: bool = False) -> Explor
             missing = sorted(want - report.covered.get(model, set()), key=repr)
             print(f"  {model}: {len(want) - len(missing)}/{len(want)} of the transitions this scope allows")
             if missing:
-                print("  never reached: " + ", ".join(_name(t) for t in missing))
+                print("  never reached: " + ", ".join(transition_name(t) for t in missing))
         for trace, v in report.violations:
             print(f"  VIOLATION {v.code or v.invariant} at {v.where}: {v.detail}\n  after {trace}")
     return report
 
 
-def _name(transition: Hashable) -> str:
-    if isinstance(transition, tuple) and len(transition) == 2:
-        state, event = transition
-        return f"{getattr(state, 'name', state)}--{getattr(event, 'value', event)}"
-    return repr(transition)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Exhaustively explore the core at small scope.")
-    ap.add_argument("--config", choices=sorted(CONFIGS), action="append")
-    ap.add_argument("--depth", type=int, default=None, help="default: each configuration's own")
-    args = ap.parse_args(argv)
-    failed = False
-    for name in args.config or sorted(CONFIGS):
-        failed |= bool(run(name, args.depth, verbose=True).violations)
-    return 1 if failed else 0
+    description = "Exhaustively explore the core at small scope."
+    return explore_main(argv, description, CONFIGS, lambda name, depth: run(name, depth, verbose=True))
 
 
 if __name__ == "__main__":

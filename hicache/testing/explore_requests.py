@@ -19,7 +19,6 @@ explores the :data:`CONFIGS` with progress per level.
 
 from __future__ import annotations
 
-import argparse
 import io
 import pickle
 from collections.abc import Hashable
@@ -32,7 +31,7 @@ from hicache.core.cost import CostModel, CostPriors
 from hicache.core.geometry import DevicePage, TierSizes
 from hicache.core.node import Lease, Node
 from hicache.errors import HiCacheError
-from hicache.spec.explorer import Coverage, ExploreReport, explore
+from hicache.spec.explorer import Coverage, ExploreReport, explore, explore_main, transition_name
 from hicache.spec.invariants import Violation
 from hicache.spec.model import TABLE, Direction, Tier
 from hicache.spec.request import REQUEST_TABLE, ReqEvent, ReqState, request_step
@@ -475,28 +474,15 @@ def run(name: str, depth: int | None = None, *, verbose: bool = False) -> Explor
         for model in UNIVERSE:
             missing = sorted(report.missing(model), key=repr)
             if missing:
-                print(f"  {model} never reached: " + ", ".join(_name(t) for t in missing))
+                print(f"  {model} never reached: " + ", ".join(transition_name(t) for t in missing))
         for trace, v in report.violations:
             print(f"  VIOLATION {v.code or v.invariant} at {v.where}: {v.detail}\n  after {trace}")
     return report
 
 
-def _name(transition: Hashable) -> str:
-    if isinstance(transition, tuple) and len(transition) == 2:
-        state, event = transition
-        return f"{getattr(state, 'name', state)}--{getattr(event, 'value', event)}"
-    return repr(transition)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Exhaustively explore requests x page runs at small scope.")
-    ap.add_argument("--config", choices=sorted(CONFIGS), action="append")
-    ap.add_argument("--depth", type=int, default=None, help="default: each configuration's own")
-    args = ap.parse_args(argv)
-    failed = False
-    for name in args.config or sorted(CONFIGS):
-        failed |= bool(run(name, args.depth, verbose=True).violations)
-    return 1 if failed else 0
+    description = "Exhaustively explore requests x page runs at small scope."
+    return explore_main(argv, description, CONFIGS, lambda name, depth: run(name, depth, verbose=True))
 
 
 if __name__ == "__main__":
