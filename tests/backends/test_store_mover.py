@@ -4,6 +4,7 @@ priority, keyed requests, ``exists`` and degraded stores; and ``open_storage``."
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,11 @@ def test_close_without_wait_cancels_queued_work() -> None:
     s = file_store(workers=1)
     s.faults.add("hang", op="write")
     first = s.write([0], [0])
+    for _ in range(2000):  # NOTE: bounded; the one worker must be inside the hung write first
+        if s.status()["io_running"]:
+            break
+        time.sleep(0.005)
+    assert s.status()["io_running"] == 1
     queued = s.write([1], [1])
     s.close(wait=False)
     assert queued.wait() is False and queued.statuses == [PageStatus.SKIPPED]
