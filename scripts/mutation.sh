@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Mutation testing of hicache/spec and hicache/core with mutmut (slow: not part of CI).
 #
-#   scripts/mutation.sh [--sample N] [--seed S] [--jobs J] [--profile P] [--max-seconds S]
-#                       [--only GLOB]... [--tests "PATHS"]
+#   scripts/mutation.sh [--sample N | --per-file N] [--seed S] [--jobs J] [--profile P]
+#                       [--max-seconds S] [--only GLOB]... [--tests "PATHS"]
 #   scripts/mutation.sh --report        # print the report of the last run again
 #
 # Works in a scratch copy (build/mutation, ignored by git) of the working tree, so uncommitted
 # changes are measured and the repository's own config is untouched. --sample N runs N mutants
-# drawn with a fixed seed (default 22) instead of all of them; --max-seconds bounds the run
+# drawn with a fixed seed (default 22) instead of all of them; --per-file N draws up to N from
+# each file instead, so every file's score rests on enough mutants; --max-seconds bounds the run
 # (mutmut runs the cheapest mutants first, so a cut run leaves out the slowest ones). Prints,
 # per file, mutants killed (a timeout counts as killed) and survived, and the score; then
 # every survivor with its diff. The listing stays in build/mutation/report.txt.
@@ -15,6 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 SAMPLE=0
+PER_FILE=0
 SEED=22
 JOBS=$(nproc)
 PROFILE=ci
@@ -25,6 +27,7 @@ REPORT_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --sample) SAMPLE=$2; shift 2 ;;
+    --per-file) PER_FILE=$2; shift 2 ;;
     --seed) SEED=$2; shift 2 ;;
     --jobs) JOBS=$2; shift 2 ;;
     --profile) PROFILE=$2; shift 2 ;;
@@ -32,7 +35,7 @@ while [ $# -gt 0 ]; do
     --tests) TESTS=$2; shift 2 ;;
     --max-seconds) MAX_SECONDS=$2; shift 2 ;;
     --report) REPORT_ONLY=1; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -48,7 +51,7 @@ if [ "$REPORT_ONLY" = 0 ]; then
 
 rm -rf "$WORK"
 mkdir -p "$WORK"
-git ls-files -co --exclude-standard -z -- hicache tests pyproject.toml | tar --null -T - -cf - | tar -xf - -C "$WORK"
+git ls-files -co --exclude-standard -z -- hicache tests docs/examples pyproject.toml | tar --null -T - -cf - | tar -xf - -C "$WORK"
 
 # Fastest tests first, so that -x stops a killed mutant's run early (durations: mutmut's stats).
 cat > "$WORK/mutation_order.py" <<'EOF'
@@ -74,7 +77,7 @@ with open(path, "a") as f:
 [tool.mutmut]
 source_paths = ["hicache"]
 only_mutate = {json.dumps(only)}
-also_copy = ["mutation_order.py"]
+also_copy = ["mutation_order.py", "docs"]
 pytest_add_cli_args_test_selection = {json.dumps(tests.split())}
 pytest_add_cli_args = ["-m", "not gpu and not slow", "-p", "no:cacheprovider", "-p", "mutation_order"]
 use_git_change_detection = false
@@ -84,22 +87,32 @@ EOF
 cd "$WORK"
 export HYPOTHESIS_PROFILE=$PROFILE
 NAMES=()
-if [ "$SAMPLE" -gt 0 ]; then
-  mapfile -t NAMES < <("$PY" - "$SAMPLE" "$SEED" "$JOBS" <<'EOF'
+if [ "$SAMPLE" -gt 0 ] || [ "$PER_FILE" -gt 0 ]; then
+  mapfile -t NAMES < <("$PY" - "$SAMPLE" "$PER_FILE" "$SEED" "$JOBS" <<'EOF'
 import contextlib, io, json, random, sys
 from pathlib import Path
 
 from mutmut import __main__ as mm
 
-n, seed, jobs = (int(x) for x in sys.argv[1:])
+n, per_file, seed, jobs = (int(x) for x in sys.argv[1:])
 with contextlib.redirect_stdout(io.StringIO()):
     mm.set_mutant_under_test("mutant_generation")
     mm.copy_src_dir()
     mm.copy_also_copy_files()
     mm.create_mutants(jobs)
-names = sorted(k for meta in Path("mutants").rglob("*.py.meta") for k in json.loads(meta.read_text())["exit_code_by_key"])
-print(f"sampling {min(n, len(names))} of {len(names)} mutants (seed {seed})", file=sys.stderr)
-print("\n".join(sorted(random.Random(seed).sample(names, min(n, len(names))))))
+by_file = {
+    str(meta): sorted(json.loads(meta.read_text())["exit_code_by_key"]) for meta in sorted(Path("mutants").rglob("*.py.meta"))
+}
+total = sum(len(names) for names in by_file.values())
+rng = random.Random(seed)
+if per_file:
+    chosen = [name for names in by_file.values() for name in rng.sample(names, min(per_file, len(names)))]
+    print(f"sampling up to {per_file} mutants per file: {len(chosen)} of {total} (seed {seed})", file=sys.stderr)
+else:
+    names = sorted(name for names in by_file.values() for name in names)
+    chosen = rng.sample(names, min(n, len(names)))
+    print(f"sampling {len(chosen)} of {total} mutants (seed {seed})", file=sys.stderr)
+print("\n".join(sorted(chosen)))
 EOF
   )
 fi

@@ -137,9 +137,10 @@ if HAVE_TRITON:
         tl.store(slabs_ptr + (slab * pool_pages + phys) * page_elements + col, vals, mask=mask)
 
 
-# Elements per program along E, and warps per program: bench/transfer.py times the
-# gather/scatter at other block sizes ("gather_triton_b16384_gibs", ...) to set these.
-BLOCK = 4096
+# Elements per program along E, and warps per program: bench/probes/transfer_probe.py sweeps
+# both (device time, launches queued); 2048 x 8 warps led at 64 and 256 pages of a Qwen3-8B
+# page on an H200, ahead of 4096 x 8 by 3-4%. bench/transfer.py compares two other blocks.
+BLOCK = 2048
 WARPS = 8
 
 
@@ -151,6 +152,7 @@ def _launch(
     slabs: torch.Tensor,
     packed_ids: Any,
     block: int | None,
+    warps: int | None = None,
 ) -> None:
     if not HAVE_TRITON:
         raise ConfigError("triton is not installed")
@@ -172,7 +174,7 @@ def _launch(
         e,
         PACKED_IDS=packed_ids is not None,
         BLOCK=block,
-        num_warps=4 if block <= 1024 else max(WARPS, block // 1024),
+        num_warps=warps or (4 if block <= 1024 else max(WARPS, block // 1024)),
     )
 
 
@@ -183,12 +185,14 @@ def gather_triton(
     packed_ids: torch.Tensor | None = None,
     *,
     block: int | None = None,
+    warps: int | None = None,
 ) -> None:
     """:func:`gather_torch` with one Triton launch. With ``packed_ids``, ``packed`` may be
     the pinned L2 pool itself: the kernel writes host memory in place (a D2H without DMA).
-    ``block``: elements per program (a power of two; default :data:`BLOCK`)."""
+    ``block``: elements per program (a power of two; default :data:`BLOCK`); ``warps``:
+    warps per program (default from the block)."""
     _check(slabs, ids, packed, packed_ids)
-    _launch(_gather_kernel, slabs, ids, packed, slabs, packed_ids, block)
+    _launch(_gather_kernel, slabs, ids, packed, slabs, packed_ids, block, warps)
 
 
 def scatter_triton(
@@ -198,11 +202,12 @@ def scatter_triton(
     packed_ids: torch.Tensor | None = None,
     *,
     block: int | None = None,
+    warps: int | None = None,
 ) -> None:
     """:func:`scatter_torch` with one Triton launch. With ``packed_ids``, ``packed`` may be
     the pinned L2 pool itself: the kernel reads host memory in place (an H2D without DMA)."""
     _check(slabs, ids, packed, packed_ids)
-    _launch(_scatter_kernel, packed, ids, slabs, slabs, packed_ids, block)
+    _launch(_scatter_kernel, packed, ids, slabs, slabs, packed_ids, block, warps)
 
 
 # -- layer-ranged loads (the layered H2D) ---------------------------------------------------

@@ -17,6 +17,7 @@ from hicache.testing.explore_core import CONFIGS, LRU, ORDERING, UNIVERSE, CoreS
 from hicache.testing.fake_backend import FakeBackend
 
 
+@pytest.mark.slow  # exhaustive search; CI runs it, the mutation run does not
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_every_interleaving_keeps_every_invariant_and_reaches_every_transition(name: str) -> None:
     """Breadth-first over every interleaving of prefill/insert/abort/start/complete/fail/
@@ -57,6 +58,7 @@ def _merged_pairs(system: CoreSystem, depth: int) -> Iterator[tuple[CoreSystem, 
         level = nxt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ps1", "ps2"])
 def test_states_with_equal_keys_behave_alike(name: str) -> None:
     """The key leaves out nothing that matters: two states merged by the explorer offer

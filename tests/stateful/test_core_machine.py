@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import ClassVar
 
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -43,6 +44,7 @@ class OneChain(CoreStateMachine):
 MACHINES = (PageSize1, PageSize2, OneChain)
 
 
+@pytest.mark.slow  # minutes under mutmut's trampolines; CI runs it, the mutation run does not
 def test_machine_covers_every_declared_transition() -> None:
     """Across both configurations the machine exercises every transition of the spec,
     and every step keeps integrity, model residency and page contents right."""

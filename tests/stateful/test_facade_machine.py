@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -13,6 +14,7 @@ from hicache.spec.request import REQUEST_TABLE, ReqEvent, ReqState
 from hicache.testing.facade_machine import FacadeMachine, RealBackendsMachine, SharedStoreMachine, sweep_recipes
 
 
+@pytest.mark.slow
 def test_facade_machines_keep_every_invariant_and_take_every_transition() -> None:
     """Transfers complete, fail, are withdrawn or wait in any order (scheduled), or run on
     real threads with injected faults; content and integrity hold after every step, and the
