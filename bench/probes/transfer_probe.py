@@ -170,10 +170,8 @@ def main() -> None:
         for label, kw in (
             ("copy path", {"copy_max_pages": 1 << 20}),
             ("direct", {"copy_max_pages": 0, "direct_max_bytes": 1 << 40}),
-            ("ring no ramp", {"copy_max_pages": 0, "direct_max_bytes": 0, "first_chunk_pages": 0}),
-            ("ring ramp 2", {"copy_max_pages": 0, "direct_max_bytes": 0, "first_chunk_pages": 2}),
-            ("ring ramp 4", {"copy_max_pages": 0, "direct_max_bytes": 0, "first_chunk_pages": 4}),
-            ("ring ramp 8", {"copy_max_pages": 0, "direct_max_bytes": 0, "first_chunk_pages": 8}),
+            ("ring 64MiB x4", {"copy_max_pages": 0, "direct_max_bytes": 0}),
+            ("ring 32MiB x8", {"copy_max_pages": 0, "direct_max_bytes": 0, "chunk_bytes": 32 << 20, "chunks": 8}),
             ("ring 16MiB x16", {"copy_max_pages": 0, "direct_max_bytes": 0, "chunk_bytes": 16 << 20, "chunks": 16}),
             ("default", {}),
         ):

@@ -17,10 +17,6 @@ A transfer larger than one chunk alternates two streams: gathers (scatters) on
     kernel_stream:  gather 0 | gather 1 | gather 2 ...      (slot k reused once its DMA ended)
     stream:                  |  DMA 0   |  DMA 1   | DMA 2 ...
 
-Only the first gather of a D2H (the last scatter of an H2D) runs beside no DMA, so chunks
-ramp: a D2H's first chunk is ``first_chunk_pages`` pages and each next one twice the last
-(up to a slot), an H2D's chunks mirror that at its end (:func:`chunk_spans`).
-
 ``layered`` (H2D with ``layer_events``, CUDA with cuda-python): per group of layers
 (:meth:`TransferEngine.layer_groups`), strided DMAs of those layers into a ring slot in a
 compact layout and one scatter with at most ``scatter_programs`` programs (fragmented L2
@@ -85,9 +81,6 @@ DIRECT_MAX_BYTES = 16 << 20
 # Up to this many pages a transfer goes on the copy engine alone, one strided DMA per page
 # (cuda-python). bench/transfer.py measures it ("copy" column) against the other paths.
 COPY_MAX_PAGES = 32
-# The first chunk of a D2H (the last of an H2D) in pages: the one gather (scatter) nothing
-# overlaps; chunks double from there to a whole slot.
-FIRST_CHUNK_PAGES = 2
 # torch.cuda's Stream and Event constructors are unannotated; use them through Any.
 _Stream: Any = torch.cuda.Stream
 _Event: Any = torch.cuda.Event
@@ -99,31 +92,6 @@ def page_runs(pages: Sequence[int]) -> list[tuple[int, int]]:
     if n and pages[n - 1] - pages[0] == n - 1 and list(pages) == list(range(pages[0], pages[0] + n)):
         return [(0, n)]
     return coalesce(pages, pages)
-
-
-def chunk_spans(n: int, slot: int, first: int, rising: bool) -> list[tuple[int, int]]:
-    """``[a, b)`` chunks of ``n`` pages, none over ``slot``: ``first`` pages, then each twice
-    the last up to ``slot`` (``first`` 0: whole slots); ``rising`` False mirrors the sizes
-    so the small chunks come last. With an even ``slot`` every chunk starts at an even page
-    (page-id slices stay 16-byte aligned: one kernel variant): ``first`` rounds up to even
-    and an odd ``n``'s extra page goes into the last chunk."""
-    even = slot > 1 and slot % 2 == 0
-    size = slot if first <= 0 else min(slot, first + (first & 1 if even else 0))
-    m = n - (n & 1) if even else n
-    sizes: list[int] = []
-    left = m
-    while left > 0:
-        sizes.append(min(size, left))
-        left -= sizes[-1]
-        size = min(slot, 2 * size)
-    if not rising:
-        sizes.reverse()
-    if m < n:
-        if sizes and sizes[-1] < slot:
-            sizes[-1] += 1
-        else:
-            sizes.append(1)
-    return [(a - s, a) for s, a in zip(sizes, itertools.accumulate(sizes), strict=True)]
 
 
 def _clip(runs: Sequence[tuple[int, int]], a: int, b: int) -> Iterator[tuple[int, int]]:
@@ -268,7 +236,6 @@ class TransferEngine:
         chunks: int = CHUNKS,
         direct_max_bytes: int = DIRECT_MAX_BYTES,
         copy_max_pages: int | None = None,
-        first_chunk_pages: int = FIRST_CHUNK_PAGES,
         fences: FencePolicy = "wait",
     ) -> None:
         if backend not in ("auto", "triton", "torch"):
@@ -280,10 +247,10 @@ class TransferEngine:
                 "need 1 <= layer_group <= max_layer_group and scatter_programs >= 1, got "
                 f"{layer_group}, {max_layer_group}, {scatter_programs}"
             )
-        if chunk_bytes < 1 or chunks < 2 or direct_max_bytes < 0 or first_chunk_pages < 0:
+        if chunk_bytes < 1 or chunks < 2 or direct_max_bytes < 0:
             raise ConfigError(
-                f"need chunk_bytes >= 1, chunks >= 2, direct_max_bytes >= 0, first_chunk_pages >= 0; got "
-                f"{chunk_bytes}, {chunks}, {direct_max_bytes}, {first_chunk_pages}"
+                f"need chunk_bytes >= 1, chunks >= 2, direct_max_bytes >= 0; got {chunk_bytes}, {chunks}, "
+                f"{direct_max_bytes}"
             )
         if fences not in ("wait", "raise"):
             raise ConfigError(f"fences must be 'wait' or 'raise', got {fences!r}")
@@ -308,7 +275,6 @@ class TransferEngine:
         pages = max(1, min(chunk_bytes // g.bytes_per_page, l1.num_pages, l2.num_pages))
         self.chunk_pages = pages - (pages & 1) if pages > 1 else 1  # even: id slices stay 16-byte aligned
         self.chunks = chunks
-        self.first_chunk_pages = first_chunk_pages
         self.direct_max_bytes = direct_max_bytes
         # NOTE: the SMs reach L2 in place only when it is pinned (mapped into the device's
         # address space); Triton then takes its address like a device pointer. On CPU
@@ -643,8 +609,8 @@ class TransferEngine:
     ) -> Path:
         """The copy path: one strided DMA per page between L1 and L2 (:func:`dma.copy_pages`).
 
-        L1  [2*layers, pages, E]:  page p = 2*layers rows of E elements, a slab apart
-        L2  [pages, 2*layers, E]:  page q = the same rows, contiguous
+            L1  [2*layers, pages, E]:  page p = 2*layers rows of E elements, a slab apart
+            L2  [pages, 2*layers, E]:  page q = the same rows, contiguous
         """
         g = self.geometry
         width = g.page_elements * self.l1.buffer.element_size()
@@ -759,7 +725,7 @@ class TransferEngine:
         ring = self._ring
         assert ring is not None
         n = ids.numel()
-        spans = chunk_spans(n, ring.pages, self.first_chunk_pages if n > ring.pages else 0, d2h)
+        spans = [(a, min(n, a + ring.pages)) for a in range(0, n, ring.pages)]
         two = self.cuda and len(spans) > 1
         copy, kern = self.stream, self.kernel_stream if two else self.stream
         if two:
@@ -905,7 +871,6 @@ class TransferEngine:
             "copy_max_pages": self.copy_max_pages,
             "chunk_pages": self.chunk_pages,
             "chunks": self.chunks,
-            "first_chunk_pages": self.first_chunk_pages,
             "chunk_bytes": self.chunk_pages * bpp,
             "ring_cap_bytes": self.chunk_pages * self.chunks * bpp,
             "workspaces": int(self._ring is not None),
