@@ -268,9 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     print("greedy≠: outputs differing from recompute;")
     print("wait: ms from the restore's start until a poll saw it published; fwd: ms of the prefill forward;")
     print("walks: root-to-leaf tree walks per request (counted);")
-    print(
-        "/floor: TTFT / max(restored bytes at the plain pinned H2D rate, the tail forward from L1) + last layer group"
-    )
+    print("/floor: TTFT / its floor: the restored bytes at the plain pinned H2D rate and the tail forward from L1,")
+    print("        pipelined by layer group (restore_floor)")
     plot_latency(rows, {**meta, "device": device, "date": meta_date(stem)}, stem)
     print(f"wrote {stem}.json and .png")
 
