@@ -90,6 +90,29 @@ def test_levels_are_exported_as_given() -> None:
     assert s[("hicache_requests", ())] == 4
 
 
+HELP = {
+    "hicache_hit_tokens": "Prompt tokens served from each tier",
+    "hicache_evicted_pages": "Pages evicted from each tier",
+    "hicache_restore_seconds": "Seconds from a restore's start to its publication",
+    "hicache_transfer_seconds": "Seconds from issuing a transfer to seeing it complete",
+    "hicache_time_to_first_token_seconds": "Seconds from arrival to first token",
+    "hicache_free_pages": "Free pages per tier",
+    "hicache_capacity_pages": "Pages per tier",
+    "hicache_pending_transfers": "Transfers in flight",
+    "hicache_requests": "Requests admitted and not released",
+}
+"""The HELP text operators read for the families the collector describes itself."""
+
+
+def test_every_family_has_its_help_text() -> None:
+    """Each family carries a HELP line; the collector's own ones read exactly as above."""
+    levels = Levels({"L1": 3, "L2": 9, "L3": 0}, {"L1": 8, "L2": 16, "L3": 0}, 2, 1, 4)
+    text = Metrics().prometheus(EVICTIONS, levels=levels)
+    docs = {f.name: f.documentation for f in text_string_to_metric_families(text)}
+    assert all(docs.values())
+    assert {name: docs.get(name) for name in HELP} == HELP
+
+
 def test_to_dict_stays_json_serializable_with_histograms() -> None:
     """``to_dict`` (the status' metrics) keeps the old keys and serializes with json."""
     import json

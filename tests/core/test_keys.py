@@ -4,6 +4,7 @@ earlier token gives different ones."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -90,3 +91,31 @@ def test_bad_inputs_raise() -> None:
             page_keys(parent, tokens, ps)  # type: ignore[arg-type]
     with pytest.raises(MisuseError):
         format_seed("", G)
+
+
+def test_format_version_zero_and_page_size_one_are_valid() -> None:
+    """The smallest legal values are accepted: format version 0 is its own identity, and
+    pages of one token give one key per token."""
+    v0 = format_seed("m", G, 0)
+    assert v0 != format_seed("m", G, 1)
+    keys = page_keys(v0, TOKENS[:5], 1)
+    assert len(keys) == 5 and keys[:4] == page_keys(v0, TOKENS[:4], 1)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda seed: format_seed("m", G, -1), r"format_version .*-1"),
+        (lambda seed: format_seed("m", G, True), r"format_version .*True"),
+        (lambda seed: format_seed("m", G, shard=3), r"shard must be a str, got 3"),  # type: ignore[arg-type]
+        (lambda seed: page_keys(seed, TOKENS, True), r"page_size .*True"),
+        (lambda seed: page_keys(seed, TOKENS, 4.0), r"page_size .*4\.0"),  # type: ignore[arg-type]
+        (lambda seed: page_keys(seed, TOKENS, 0), r"page_size .*0"),
+        (lambda seed: page_keys(seed, [2**70] * 4, 4), r"tokens must be ints in int64 range"),
+        (lambda seed: page_keys(seed, [1.5, 2, 3, 4], 4), r"tokens must be ints in int64 range"),  # type: ignore[list-item]
+    ],
+)
+def test_bad_inputs_name_the_bad_value(call: Callable[[bytes], object], match: str) -> None:
+    """Each bad argument raises MisuseError naming the argument (a bool is no int)."""
+    with pytest.raises(MisuseError, match=match):
+        call(format_seed("m", G))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from hicache.spec.explorer import Coverage, explore
+from hicache.spec.explorer import Coverage, ExploreReport, explore
 from hicache.spec.invariants import Violation
 
 TAKEN = frozenset(
@@ -99,3 +99,16 @@ def test_checks_the_initial_state() -> None:
     toy.last = (0, "start")
     report = explore(toy, 10)
     assert report.violations[0][0] == [] and report.edges == 0 and report.states == 1
+
+
+def test_report_covers_models_with_and_without_a_universe() -> None:
+    """A model with a universe but no coverage misses all of it; the summary lists every
+    model, covered or declared, with a ratio only where a universe is known, and says
+    ``none`` when there is no model at all."""
+    report = ExploreReport(
+        states=3, edges=2, depth=1, covered={"seen": {1, 2}}, universe={"toy": frozenset({(0, "inc"), (1, "dec")})}
+    )
+    assert report.missing("toy") == {(0, "inc"), (1, "dec")}
+    assert report.missing("seen") == set()
+    assert report.summary() == "3 states, 2 edges, depth 1, transitions seen 2, toy 0/2, 0 violations, 0.0s"
+    assert ExploreReport().summary() == "0 states, 0 edges, depth 0, transitions none, 0 violations, 0.0s"

@@ -323,6 +323,42 @@ WHERE: dict[str, Callable[[Base], str]] = {
 """Where each report must point for its corruption above."""
 
 
+DETAIL: dict[str, str] = {
+    "ownership.multiple-owners": r"page \d+ has 2 owners",
+    "ownership.out-of-range": r"page \d+ out of range",
+    "ownership.leaked": r"pages \[\d+(, \d+)*\] have no owner",
+    "ownership.no-pending": r"node #\d+ has no pending pages",
+    "ownership.pending-not-dst": r"nodes' pending pages differ from dst",
+    "pinning.dead-lease": r"holds a removed node",
+    "pinning.root-refs": r"root refs must stay 0, got \(1, 0, 0\)",
+    "pinning.refs": r"L1 refs 1, leases say 0",
+    "pinning.refs-on-absent": r"refs on an absent L3 copy",
+    "pinning.source-unpinned": r"source of D2H #\d+ is unpinned",
+    "pinning.transfer-lease": r"source or destination lease not held",
+    "pinning.counters": r"counters protected=\d+ evictable=\d+, recomputed \d+ / \d+",
+    "pinning.unindexed": r"evictable L1 leaf missing from the eviction index",
+    "prefix-closure.parent-lacks-copy": r"has L3 but parent #\d+ lacks it",
+    "alignment.length": r"length 3 not a multiple of 2",
+    "alignment.pages": r"L1 has 2 pages for 1",
+    "alignment.pending": r"H2S pending 2 pages for 1",
+    "structure.missing-child": r"child #999 is not in the tree",
+    "structure.parent": r"parent is #\d+, listed under #\d+",
+    "structure.child-key": r"child key differs from its first page",
+    "structure.reached-twice": r"reached twice",
+    "structure.unreachable": r"unreachable from the root",
+    "structure.removed-node": r"removed node still in the tree",
+    "structure.empty-key": r"empty non-root node",
+    "structure.hollow": r"holds nothing and should have been removed",
+    "structure.tier-children": r"stored L3 child count 1 != 0",
+    "uniqueness.page": r"L1 page \d+ also in node #\d+",
+    "declared-states.undeclared": r"\(R, F\) code \d+ is not a live declared state",
+    "declared-states.pending-without-transfer": r"pending D2H pages without a transfer",
+    "declared-states.unknown-transfer": r"marked in flight D2H by unknown transfer #999",
+    "declared-states.member-not-marked": r"node #\d+ is not marked in flight",
+}
+"""What each report's detail says for its corruption above (a full match)."""
+
+
 def test_the_base_snapshot_is_valid_and_busy() -> None:
     """The unmodified snapshot reports nothing, and holds what the builders corrupt."""
     b = base()
@@ -335,16 +371,18 @@ def test_the_base_snapshot_is_valid_and_busy() -> None:
 @pytest.mark.parametrize("code", sorted(BUILDERS))
 def test_each_report_fires_on_its_corruption(code: str) -> None:
     """The corrupted snapshot is reported with exactly this code, under its invariant,
-    pointing at the corrupted part, with a detail to read."""
+    pointing at the corrupted part, with the detail that says what is wrong."""
     found = check_all(BUILDERS[code](base()))
-    assert (code, WHERE[code](base())) in {(v.code, v.where) for v in found}, found
+    mine = [v.detail for v in found if (v.code, v.where) == (code, WHERE[code](base()))]
+    assert mine, found
+    assert any(re.fullmatch(DETAIL[code], detail) for detail in mine), mine
     assert all(v.invariant == v.code.partition(".")[0] for v in found)
     assert all(isinstance(v.detail, str) and v.detail for v in found)
 
 
 def test_every_report_has_a_corruption_test() -> None:
     """A registered report without a builder here fails (and a builder for no report)."""
-    assert set(BUILDERS) == set(REPORTS) == set(WHERE)
+    assert set(BUILDERS) == set(REPORTS) == set(WHERE) == set(DETAIL)
 
 
 def test_the_checker_emits_only_registered_codes() -> None:

@@ -123,6 +123,27 @@ WHERE: dict[str, Callable[[Base], str]] = {
 """Where each report must point for its corruption above."""
 
 
+DETAIL: dict[str, str] = {
+    "request-cached.unaligned": r"cached_len 3, page size 2",
+    "request-cached.page-count": r"cached_len 4 with 1 pages",
+    "request-cached.unpinned": r"its cached prefix is not pinned in L1 by its lease",
+    "request-cached.pages": r"its page list differs from the tree's L1 pages",
+    "request-cached.lease-without-prefix": r"holds an L1 lease with nothing cached",
+    "request-pins.source": r"restoring without its L2 source pinned",
+    "request-pins.transfer": r"restoring without its H2D in flight",
+    "request-pins.outside-restore": r"holds a restore's pin or transfer while running",
+    "request-restore-pages.extent": r"restore moves \[\.\., 4\) for 2",
+    "request-restore-pages.layered-without-h2d": r"layered pages without an H2D in flight",
+    "request-restore-pages.layered-pages": r"layered pages are not exactly its prefix's",
+    "request-holdings.released-registered": r"a released request is still registered",
+    "request-holdings.dead-lease": r"held but released",
+    "request-holdings.lease-holders": r"2 holders",
+    "request-holdings.not-private": r"a request's page is not private",
+    "request-holdings.private-owners": r"private page held by 2 requests",
+}
+"""What each report's detail says for its corruption above (a full match)."""
+
+
 def test_the_base_snapshot_is_valid_and_busy() -> None:
     """The unmodified snapshot reports nothing, and holds what the builders corrupt: a
     layered restore with its source pinned, a running request with a private page."""
@@ -135,17 +156,33 @@ def test_the_base_snapshot_is_valid_and_busy() -> None:
 @pytest.mark.parametrize("code", sorted(BUILDERS))
 def test_each_report_fires_on_its_corruption(code: str) -> None:
     """The corrupted snapshot is reported with exactly this code, under its invariant,
-    pointing at the corrupted part, with a detail to read."""
+    pointing at the corrupted part, with the detail that says what is wrong."""
     b = base()
     found = check_requests(BUILDERS[code](b))
-    assert (code, WHERE[code](b)) in {(v.code, v.where) for v in found}, found
+    mine = [v.detail for v in found if (v.code, v.where) == (code, WHERE[code](b))]
+    assert mine, found
+    assert any(re.fullmatch(DETAIL[code], detail) for detail in mine), mine
     assert all(v.invariant == v.code.partition(".")[0] for v in found)
     assert all(isinstance(v.detail, str) and v.detail for v in found)
 
 
 def test_every_report_has_a_corruption_test() -> None:
     """A registered report without a builder here fails (and a builder for no report)."""
-    assert set(BUILDERS) == set(REQUEST_REPORTS) == set(WHERE)
+    assert set(BUILDERS) == set(REQUEST_REPORTS) == set(WHERE) == set(DETAIL)
+
+
+@pytest.mark.parametrize("end", ["src", "dst"])
+def test_a_lease_shared_by_two_transfers_has_two_holders(end: str) -> None:
+    """A transfer whose source lease is also the source (or destination) lease of an
+    earlier transfer makes that lease held twice."""
+    b = base()
+    first, second = sorted(b.snap.transfers)
+    shared = getattr(b.snap.transfers[first], f"{end}_lease")
+    transfers = {**b.snap.transfers, second: dataclasses.replace(b.snap.transfers[second], src_lease=shared)}
+    found = check_requests(dataclasses.replace(b.snap, transfers=transfers))
+    assert ("request-holdings.lease-holders", f"lease #{shared}", "2 holders") in {
+        (v.code, v.where, v.detail) for v in found
+    }, found
 
 
 def test_the_checker_emits_only_registered_codes() -> None:
