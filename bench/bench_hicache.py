@@ -74,6 +74,7 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
     total = 2 * (args.warmup + args.iterations)
     cache_s = 0.0
     walks = 0  # root-to-leaf tree walks inside the timed requests (counted by the tree)
+    idle_polls = 0  # steps that only polled and slept (restores in flight, nothing else to run)
     for i in tqdm(range(total), desc=f"{tier} {prefix}", leave=False, disable=None):
         prompt = prefixes[i % 2] + [rng.randrange(vocab) for _ in range(args.suffix_tokens)]
         engine.cache.drain()  # write-through finished before this request arrives
@@ -81,9 +82,9 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
             burst(args.device)  # same for every tier: the drain idles the GPU, clocks drop
         before = engine.stats.cache_s
         timer.on = i >= 2 * args.warmup
-        walked = engine.cache.core.tree.walks
+        walked, idled = engine.cache.core.tree.walks, engine.stats.idle_polls
         out = engine.generate(prompt, max_new_tokens=args.max_new_tokens)
-        walked = engine.cache.core.tree.walks - walked
+        walked, idled = engine.cache.core.tree.walks - walked, engine.stats.idle_polls - idled
         timer.on = False
         check.observe(engine, i % 2, prompt, prefix // ps, out)
         if i >= 2 * args.warmup:
@@ -93,6 +94,7 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
             sources.append(served_from(out))
             cache_s += engine.stats.cache_s - before
             walks += walked
+            idle_polls += idled
         outputs.append(out.tokens)
     floor = restore_floor(engine, args, prefixes[0], prefix // ps) if tier != "none" else {}
     m = engine.cache.metrics
@@ -104,6 +106,7 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         "cache_ms": cache_s / len(ttft) * 1e3,  # all hicache calls (the engine's own count)
         **timer.per_request_ms(len(ttft)),  # bookkeeping_ms: the same without issuing copies
         "tree_walks_per_request": walks / len(ttft),
+        "idle_polls_per_request": idle_polls / len(ttft),
         # TTFT's parts (medians): the restore's wait, the prefill forward, and the rest
         # (hicache calls before the forward, polling, scheduling)
         "restore_wait_ms": statistics.median(waits) * 1e3,

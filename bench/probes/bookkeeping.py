@@ -1,14 +1,18 @@
-"""Probe: the host time of each hicache call on the L2 restore path, timed one by one.
+"""Probe: the host time of each hicache call on the L2 (or L3) restore path, timed one by one.
 
 No model runs (the "prefill" writes random KV); two prefixes alternate so every request
-restores from L2. Prints the median host milliseconds per call and the bytes moved.
+restores from L2 (``--tier l3``: L2 holds one prefix, so every request restores from L3).
+Prints the median host milliseconds per call and the bytes moved; ``--profile N`` also
+prints the N functions with the most own time inside the timed calls (cProfile).
 
-    python bench/probes/bookkeeping.py --prefix-tokens 3500
+    python bench/probes/bookkeeping.py --prefix-tokens 3500 [--tier l3] [--profile 25]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -29,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefix-tokens", type=int, default=3500)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--tier", choices=["l2", "l3"], default="l2")
+    ap.add_argument("--profile", type=int, default=0, help="print this many functions by own time")
     ap.add_argument(
         "--kv",
         choices=["qwen3-8b", "tiny"],
@@ -44,9 +50,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     ps = args.page_size
     pages = -(-(args.prefix_tokens + 9) // ps)
+    l3 = args.tier == "l3"
     cache = HiCache(
-        HiCacheConfig(g, l1_pages=pages + pages // 2, l2_pages=3 * pages, policy="always", device=args.device)
+        HiCacheConfig(
+            g,
+            l1_pages=pages + pages // 2,
+            l2_pages=pages + pages // 2 if l3 else 3 * pages,
+            l3_pages=4 * pages if l3 else 0,
+            policy="always",
+            device=args.device,
+        )
     )
+    profiler = cProfile.Profile() if args.profile else None
     gen = torch.Generator().manual_seed(0)
     prefixes = [torch.randint(100, 150000, (args.prefix_tokens,), generator=gen).tolist() for _ in range(2)]
     times: dict[str, list[float]] = defaultdict(list)
@@ -58,9 +73,11 @@ def main(argv: list[str] | None = None) -> None:
 
     def timed(name: str, fn: Callable[..., T], *a: Any) -> T:
         t0 = time.perf_counter()
-        out = fn(*a)
+        out = profiler.runcall(fn, *a) if profiler is not None and timing else fn(*a)
         times[name].append(time.perf_counter() - t0)
         return out
+
+    timing = False
 
     for i in range(2 * (args.iterations + 2)):
         prompt = prefixes[i % 2] + [i % 100] * 8
@@ -68,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         sync()
         if i == 4:
             times.clear()
+            timing = True
         req = timed("admit", cache.admit, prompt)
         plan = timed("plan", cache.plan, req)
         pending = timed("start_restore", cache.start_restore, req, plan)
@@ -96,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     m = cache.metrics.directions
     print("  H2D enqueue ms (mean):", round(m["H2D"].enqueue_s / max(1, m["H2D"].count) * 1e3, 3))
     print("  D2H enqueue ms (mean):", round(m["D2H"].enqueue_s / max(1, m["D2H"].count) * 1e3, 3))
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     cache.close()
 
 

@@ -53,8 +53,13 @@ from hicache.engine.model import (
 )
 from hicache.errors import ConfigError, HiCacheError, IntegrityError
 from hicache.facade import HiCache, HiCacheConfig, _default_device
-from hicache.spec.model import Tier
+from hicache.spec.model import Direction, Tier
 
+# An idle step (only restores in flight) sleeps this long before polling again; while every
+# restore still reads storage, twice as long after each idle step, at most 2**IDLE_BACKOFF_STEPS
+# times as long (Engine._idle_sleep_s).
+IDLE_SLEEP_S = 50e-6
+IDLE_BACKOFF_STEPS = 5
 
 class RequestFailed(HiCacheError):
     """:meth:`Engine.generate`'s request could not be served (the message says why)."""
@@ -278,6 +283,7 @@ class Engine:
         self._finished: list[Output] = []
         self.prefills_before_decode = config.prefills_before_decode
         self._prefills_in_row = 0
+        self._idle_streak = 0  # idle steps in a row while every restore reads storage
         self._admission_held = False  # a request gave its pins back for others: admit none until one moves
 
     # -- requests ----------------------------------------------------------------------------
@@ -368,7 +374,7 @@ class Engine:
             self._guarded(seq, self._admit)
         ready = next((s for s in self._active.values() if s.state is SeqState.READY), None)
         decoding = [s for s in self._active.values() if s.state is SeqState.DECODING]
-        ran = False
+        ran = idle = False
         restoring = any(s.state is SeqState.RESTORING for s in self._active.values())
         if ready is not None and not (decoding and self._prefills_in_row >= self.prefills_before_decode):
             t0 = time.perf_counter()
@@ -391,6 +397,7 @@ class Engine:
                 else:
                     self._fail(ready, f"no room in L1 for a prompt of {len(ready.prompt)} tokens")
             elif self._active:
+                idle = True
                 self.stats.idle_polls += 1
                 t0 = time.perf_counter()
                 if all(s.layered is not None for s in self._active.values()):
@@ -398,10 +405,25 @@ class Engine:
                     # behind its layers: wait for the GPU instead of polling every 50 us.
                     self.runner.wait_layered()
                 else:
-                    time.sleep(50e-6)  # only restores in flight: let the copy engine / disk work
+                    time.sleep(self._idle_sleep_s())  # only restores in flight: let the copy engine / disk work
                 self.stats.idle_s_while_restoring += time.perf_counter() - t0
+        if not idle:
+            self._idle_streak = 0
         done, self._finished = self._finished, []
         return done
+
+    def _idle_sleep_s(self) -> float:
+        """How long an idle step sleeps before polling again: 50 us while a copy-engine
+        transfer may land; while every restore in flight still reads storage (milliseconds
+        to seconds), twice as long after each idle step up to 1.6 ms, so a read costs the
+        scheduler thread tens of polls instead of thousands (each poll checks every transfer)."""
+        reading = all(
+            s.restore is not None and s.restore.transfer is not None and s.restore.transfer.direction is Direction.S2H
+            for s in self._active.values()
+            if s.state is SeqState.RESTORING
+        )
+        self._idle_streak = self._idle_streak + 1 if reading else 0
+        return IDLE_SLEEP_S * (1 << min(self._idle_streak, IDLE_BACKOFF_STEPS))
 
     def _guarded(self, seq: _Seq, fn: Any) -> Any:
         """Run ``fn(seq)``; a failure for this request's sake finishes it with an error."""

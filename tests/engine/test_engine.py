@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 
@@ -16,7 +17,7 @@ from hicache.engine.attention import HAVE_TRITON
 from hicache.engine.cli import add_engine_args
 from hicache.engine.model import AttentionImpl, PagedBatch, _folded, fold_mask, resolve_attention, visible
 from hicache.errors import ConfigError, MisuseError
-from hicache.spec.model import Tier
+from hicache.spec.model import Direction, Tier
 
 pytest.importorskip("transformers")
 
@@ -444,3 +445,57 @@ def test_auto_attention_is_the_paged_kernel_on_cuda_only() -> None:
     assert resolve_attention("fold", "cuda") == "fold"
     net = build_model("tiny")
     assert ModelRunner(net, DevicePool.allocate(kv_geometry(net, 4), 8, "cpu")).attention == "gqa"
+
+
+def test_idle_steps_back_off_while_every_restore_reads_storage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With only an L3 read in flight, each idle step sleeps twice as long as the one before
+    (from 100 us up to 1.6 ms), so a slow disk costs the scheduler thread few polls; the
+    restore still lands bit-exact, and the next idle wait starts short again."""
+    from hicache.engine import engine as engine_module
+
+    e = engine()
+    rng = random.Random(5)
+    a = [rng.randrange(512) for _ in range(40)]
+    e.generate(a)
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    e.cache.core.evict(Tier.L2, 10**6)
+    slept: list[float] = []
+    real = engine_module.Engine._idle_sleep_s
+
+    def spy(self: Engine) -> float:
+        slept.append(real(self))
+        return slept[-1]
+
+    monkeypatch.setattr(engine_module.Engine, "_idle_sleep_s", spy)
+    e.cache.faults.add("slow", op="read", delay_s=0.05)
+    (out,) = [e.generate([*a, 7, 8, 9], max_new_tokens=2)]
+    assert out.restored_from == "L3" and out.cached_tokens == 40
+    step = engine_module.IDLE_SLEEP_S
+    reading = list(itertools.takewhile(lambda t: t > step, slept))
+    assert reading, "the read was slow: the engine must have waited"
+    assert reading == [step * 2 ** min(k, engine_module.IDLE_BACKOFF_STEPS) for k in range(1, len(reading) + 1)]
+    assert reading[-1] == step * 2**engine_module.IDLE_BACKOFF_STEPS  # 50 ms of reading outlasts the ramp
+    # then the H2D: polled at the short interval until it is published
+    assert slept[len(reading) :] == [step] * (len(slept) - len(reading))
+    assert e._idle_streak == 0  # reset once the engine had work again
+    e.cache.check_integrity()
+    e.close()
+
+
+def test_idle_steps_stay_short_while_a_copy_engine_transfer_is_in_flight() -> None:
+    """A restore whose H2D is in flight (microseconds to milliseconds) is polled every 50 us:
+    no back-off."""
+    from hicache.engine import engine as engine_module
+
+    e = engine()
+    seq = engine_module._Seq(id=1, prompt=[1, 2, 3], max_new=1, arrived=0.0, state=engine_module.SeqState.RESTORING)
+    transfer = type("T", (), {"direction": Direction.H2D})()
+    seq.restore = type("R", (), {"transfer": transfer})()
+    e._active[1] = seq
+    e._idle_streak = 3
+    assert [e._idle_sleep_s() for _ in range(3)] == [engine_module.IDLE_SLEEP_S] * 3
+    transfer.direction = Direction.S2H
+    assert [e._idle_sleep_s() for _ in range(2)] == [2 * engine_module.IDLE_SLEEP_S, 4 * engine_module.IDLE_SLEEP_S]
+    del e._active[1]
+    e.close()
