@@ -374,3 +374,17 @@ def test_selective_write_through_waits_for_repeat_hits() -> None:
     drain(c)
     assert c.core.match(tokens).lengths == (8, 8, 8)
     c.close()
+
+
+def test_a_request_of_another_instance_is_refused() -> None:
+    """A live handle admitted by one cache is unknown to another: every call there raises
+    HandleError naming it, and the owner still serves it."""
+    a, b = make(), make()
+    req = a.admit([1, 2, 3, 4])
+    for call in (lambda: b.plan(req), lambda: b.allocate(req, 1), lambda: b.release(req)):
+        with pytest.raises(HandleError, match=rf"^request #{req.id} was released or is unknown$"):
+            call()
+    assert a.plan(req).tokens >= 0
+    a.release(req)
+    a.close()
+    b.close()

@@ -159,6 +159,15 @@ def test_one_size_learns_from_the_residual_both_ways() -> None:
     assert b.fixed == 0.0 and b.predict(100) == pytest.approx(0.06)
 
 
+def test_sizes_within_one_of_each_other_keep_the_slope_prior() -> None:
+    """Sizes 1 and 2 (all within 1) cannot identify both terms: the slope stays at its prior
+    and the residual's EWMA becomes the fixed cost, however steep the two samples look."""
+    a = AffineCost(prior_slope=1.0)
+    a.observe(1, 1.0)  # on the prior line: residual 0
+    a.observe(2, 5.0)  # residual 3: the EWMA moves a fifth of the way
+    assert a.slope == 1.0 and a.fixed == pytest.approx(0.6)
+
+
 def test_negative_fits_are_clamped() -> None:
     a = AffineCost(prior_slope=1.0)
     for x, t in ((10, 5.0), (20, 4.0), (30, 3.0)):
@@ -230,6 +239,13 @@ def test_window_is_32() -> None:
 def test_bad_priors_raise(bad: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         CostPriors(**bad)
+
+
+@pytest.mark.parametrize("bad", [0, -8])
+def test_a_non_positive_bytes_per_token_is_a_config_error_naming_it(bad: int) -> None:
+    """The refusal names the field and the value given."""
+    with pytest.raises(ConfigError, match=f"^bytes_per_token must be positive, got {bad}$"):
+        CostModel(bad)
 
 
 def test_unknown_policy_raises() -> None:

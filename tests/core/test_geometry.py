@@ -26,11 +26,12 @@ def test_a_non_positive_or_non_int_dimension_is_a_config_error(field: str, bad: 
 
 
 def test_tier_sizes_allow_one_l1_page_and_empty_lower_tiers() -> None:
-    """L1 needs at least one page; L2 and L3 may be 0; negatives and zero L1 are refused."""
+    """L1 needs at least one page; L2 and L3 may be 0; negatives and zero L1 are refused,
+    naming the field and the value."""
     assert TierSizes(1).capacities == (1, 0, 0)
-    with pytest.raises(ConfigError, match="l1_pages"):
+    with pytest.raises(ConfigError, match=r"^l1_pages must be a positive int, got 0$"):
         TierSizes(0)
-    with pytest.raises(ConfigError, match="l2_pages"):
+    with pytest.raises(ConfigError, match=r"^l2_pages must be a non-negative int, got -1$"):
         TierSizes(1, -1)
-    with pytest.raises(ConfigError, match="l3_pages"):
+    with pytest.raises(ConfigError, match=r"^l3_pages must be a non-negative int, got -1$"):
         TierSizes(1, 0, -1)

@@ -9,7 +9,7 @@ import pytest
 from hicache.core import CacheCore, DevicePage, TierSizes
 from hicache.core.node import Node
 from hicache.core.tree import HiRadixTree
-from hicache.errors import HandleError, MisuseError, PageOwnershipError, TransitionRefused
+from hicache.errors import HandleError, IntegrityError, MisuseError, PageOwnershipError, TransitionRefused
 from hicache.spec.model import Direction, Event, RunState, Tier
 
 
@@ -369,3 +369,47 @@ def test_match_takes_an_array_like_a_tuple() -> None:
     assert core.match(np.array([1, 2, 3, 4, 5])).lengths == core.match((1, 2, 3, 4, 5)).lengths == (4, 0, 0)
     with pytest.raises(MisuseError, match="1-D"):
         core.match(np.array([[1, 2]]))
+
+
+def test_freeing_private_pages_is_traced_as_removed() -> None:
+    """Each private page given back is one trace entry: L1_PRIVATE --remove--> REMOVED, on
+    no run."""
+    core = make()
+    pages = core.allocate_l1(2)
+    assert pages is not None
+    core.free_private(pages)
+    assert [(e.node, e.before, e.event, e.after) for e in core.tree.trace[-2:]] == [
+        (-1, RunState.L1_PRIVATE, Event.REMOVE, RunState.REMOVED)
+    ] * 2
+
+
+def test_adopting_a_pinned_prefix_that_has_no_l1_copy_is_an_integrity_error() -> None:
+    """A caller that says it pins a prefix whose run holds no L1 copy (only L2) shows a
+    pinning bug: IntegrityError naming the run."""
+    core = make()
+    node = prefill(core, (1, 2, 3, 4))
+    through(core, node, Direction.D2H)
+    core.evict(Tier.L1, 100)
+    assert node.pages[Tier.L1] is None and node.pages[Tier.L2] is not None
+    pages = core.allocate_l1(2)
+    assert pages is not None
+    with pytest.raises(IntegrityError) as info:
+        core.adopt((1, 2, 3, 4), pages, 1)
+    err = info.value
+    assert (err.invariant, err.where, err.detail) == ("pinning", repr(node), "a pinned prefix lost its L1 copy")
+
+
+def test_ensure_free_raises_when_the_evictable_count_overstates_what_eviction_finds() -> None:
+    """An evictable counter above what can really be evicted is a bug, reported for the
+    tier, not a silent False."""
+    core = make(l1=4)
+    assert core.allocate_l1(2) is not None  # private: never evictable
+    core.tree.evictable[Tier.L1] += 2  # two evictable pages that do not exist
+    with pytest.raises(IntegrityError) as info:
+        core.ensure_free(Tier.L1, 4)
+    err = info.value
+    assert (err.invariant, err.where, err.detail) == (
+        "pinning",
+        "tier L1",
+        "evictable counter promised more pages than eviction found",
+    )

@@ -12,9 +12,13 @@ the count alone, so ``dec`` and ``reset`` lead back into states seen before::
 from __future__ import annotations
 
 from collections.abc import Hashable
+from enum import Enum
 
-from hicache.spec.explorer import Coverage, ExploreReport, explore
+import pytest
+
+from hicache.spec.explorer import Coverage, ExploreReport, explore, explore_main, transition_name
 from hicache.spec.invariants import Violation
+from hicache.spec.model import RunState
 
 TAKEN = frozenset(
     {(0, "inc"), (1, "inc"), (1, "dec"), (1, "reset"), (2, "inc"), (2, "dec"), (2, "reset"), (3, "dec"), (3, "reset")}
@@ -112,3 +116,83 @@ def test_report_covers_models_with_and_without_a_universe() -> None:
     assert report.missing("seen") == set()
     assert report.summary() == "3 states, 2 edges, depth 1, transitions seen 2, toy 0/2, 0 violations, 0.0s"
     assert ExploreReport().summary() == "0 states, 0 edges, depth 0, transitions none, 0 violations, 0.0s"
+
+
+class _Go(Enum):
+    """An event whose ``str`` is not its value."""
+
+    GO = "go"
+
+
+@pytest.mark.parametrize(
+    ("transition", "name"),
+    [
+        ((RunState.L1_L2, _Go.GO), "L1_L2--go"),
+        ((0, "inc"), "0--inc"),
+        ((0, "inc", 1), "(0, 'inc', 1)"),
+        ("ab", "'ab'"),
+        (7, "7"),
+    ],
+)
+def test_transition_name_spells_a_state_event_pair(transition: Hashable, name: str) -> None:
+    """A (state, event) pair reads ``STATE--event``: the state's enum name and the event's
+    value, or the plain values when they are not enums; anything else reads as its repr."""
+    assert transition_name(transition) == name
+
+
+class _Runs:
+    """A stand-in for a configuration runner: records each call, fails the named ones."""
+
+    def __init__(self, failing: frozenset[str] = frozenset()) -> None:
+        self.calls: list[tuple[str, int | None]] = []
+        self.failing = failing
+
+    def __call__(self, name: str, depth: int | None) -> ExploreReport:
+        self.calls.append((name, depth))
+        bad = [([f"step {name}"], Violation("toy", name, "planted", "toy.planted"))]
+        return ExploreReport(violations=bad if name in self.failing else [])
+
+
+def test_explore_main_runs_every_configuration_at_its_own_depth_by_default() -> None:
+    """With no arguments every configuration runs once, in name order, with no depth
+    override, and a clean run exits 0."""
+    runs = _Runs()
+    assert explore_main([], "toy", {"b", "a", "c"}, runs) == 0
+    assert runs.calls == [("a", None), ("b", None), ("c", None)]
+
+
+def test_explore_main_runs_the_named_configurations_at_the_given_depth() -> None:
+    """Repeated ``--config`` runs exactly those, in the order given, at ``--depth``."""
+    runs = _Runs()
+    assert explore_main(["--config", "c", "--config", "a", "--depth", "3"], "toy", {"a", "b", "c"}, runs) == 0
+    assert runs.calls == [("c", 3), ("a", 3)]
+
+
+def test_explore_main_exits_1_when_any_configuration_reports_a_violation() -> None:
+    """One failing configuration makes the exit status 1, and the others still run."""
+    runs = _Runs(failing=frozenset({"a"}))
+    assert explore_main([], "toy", {"a", "b"}, runs) == 1
+    assert runs.calls == [("a", None), ("b", None)]
+
+
+def test_explore_main_refuses_an_unknown_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown ``--config`` is a usage error (exit 2) naming the choices; nothing runs."""
+    runs = _Runs()
+    with pytest.raises(SystemExit) as exit_:
+        explore_main(["--config", "zz"], "toy", {"a", "b"}, runs)
+    assert exit_.value.code == 2 and runs.calls == []
+    assert "invalid choice: 'zz'" in capsys.readouterr().err
+
+
+def test_explore_main_help_documents_the_options(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--help`` exits 0 and shows the description, the choices and what ``--depth``
+    defaults to."""
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exit_:
+        explore_main(["--help"], "Explore the toy.", {"a", "b"}, _Runs())
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Explore the toy." in text and "{a,b}" in text
+    assert "--depth DEPTH default: each configuration's own" in text

@@ -207,3 +207,21 @@ def test_the_checker_emits_only_registered_codes() -> None:
     assert named == set(REQUEST_REPORTS)
     emitted = {v.code for build in BUILDERS.values() for v in check_requests(build(base()))}
     assert emitted <= set(REQUEST_REPORTS), emitted - set(REQUEST_REPORTS)
+
+
+@pytest.mark.parametrize("nodes", ["none", "gone", "root"])
+def test_a_layered_restore_whose_h2d_has_no_prefix_above_is_reported(nodes: str) -> None:
+    """A layered restore whose H2D moves no node, a node no longer in the tree, or the root
+    (nothing above it to layer onto) is reported as layered without an H2D, not crashed on."""
+    b = base()
+    assert b.loading.transfer is not None
+    x = b.snap.transfers[b.loading.transfer]
+    root = next(nid for nid, n in b.snap.nodes.items() if n.parent is None)
+    moved = {"none": (), "gone": (999,), "root": (root,)}[nodes]
+    transfers = {**b.snap.transfers, x.id: dataclasses.replace(x, nodes=moved)}
+    found = check_requests(dataclasses.replace(b.snap, transfers=transfers))
+    assert (
+        "request-restore-pages.layered-without-h2d",
+        f"request #{b.loading.id}",
+        "layered pages without an H2D in flight",
+    ) in {(v.code, v.where, v.detail) for v in found}, found
