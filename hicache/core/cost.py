@@ -121,7 +121,8 @@ class AffineCost:
         self.samples.append((size, seconds))
         sizes = [s for s, _ in self.samples]
         largest = max(sizes)
-        if largest - min(sizes) <= max(1.0, 0.5 * largest):
+        spread = largest - min(sizes)
+        if spread <= 1.0 or spread < 0.5 * largest:  # barely differ: smallest > largest / 2
             residual = seconds - size * self.prior_slope
             r = self._residual = residual if len(sizes) == 1 else _ewma(self._residual, residual)
             if r >= 0:

@@ -168,6 +168,19 @@ def test_sizes_within_one_of_each_other_keep_the_slope_prior() -> None:
     assert a.slope == 1.0 and a.fixed == pytest.approx(0.6)
 
 
+def test_sizes_a_factor_of_two_apart_are_fitted() -> None:
+    """Sizes 100 and 200 span a factor of two (smallest = largest / 2): both terms come from
+    the fit (slope 0.02, fixed 1), not from the prior; 101 and 200 still barely differ."""
+    a = AffineCost(prior_slope=1.0)
+    a.observe(100, 3.0)
+    a.observe(200, 5.0)
+    assert a.slope == pytest.approx(0.02) and a.fixed == pytest.approx(1.0)
+    b = AffineCost(prior_slope=1.0)
+    b.observe(101, 101.0)  # on the prior line
+    b.observe(200, 200.0)
+    assert b.slope == 1.0 and b.fixed == 0.0
+
+
 def test_negative_fits_are_clamped() -> None:
     a = AffineCost(prior_slope=1.0)
     for x, t in ((10, 5.0), (20, 4.0), (30, 3.0)):
