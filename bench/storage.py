@@ -14,7 +14,10 @@ Qwen3-8B page geometry (2.25 MiB per page). Three parts, all in one run:
   loop's own throughput left to it while the I/O threads run. Also ``page_keys`` for a
   3,500-token prompt (219 pages).
 
-    python bench/storage.py [--dir /path/on/local/disk] [--pages 16 64 256] [--caller-pages 256 1024]
+    python bench/storage.py [--dir /path/on/local/disk] [--pages 16 64 256] [--caller-pages 256 1024] [--out DIR]
+
+Writes JSON (with the commit and versions) and a PNG to ``--out`` (default ``$HICACHE_BENCH_OUT``
+or /tmp/hicache-bench), tagged with the device (``--tag``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import add_out_args, git_commit, tag_of, versions
 
 from hicache.backends.pools import HostPool
 from hicache.backends.storage import StorageBackend, StorageFile
@@ -240,9 +244,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--chunk-pages", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    ap.add_argument("--tag", default="h200")
+    add_out_args(ap)
     args = ap.parse_args()
+    tag = args.tag or tag_of("cuda" if torch.cuda.is_available() else "cpu")
     g = GEOMETRY
     top = max([*args.pages, *args.caller_pages])
     host = HostPool(g, top)
@@ -283,6 +287,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     meta = {
         "date": date.today().isoformat(),
+        "commit": git_commit(),
+        "versions": versions(),
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "dir": str(args.dir),
@@ -321,9 +327,9 @@ def main() -> None:
         )
     print(f"page_keys, 3,500 tokens (219 pages): {meta['page_keys_us_3500_tokens']:.0f} us")
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"storage-{meta['date']}-{args.tag}"
+    stem = args.out / f"storage-{meta['date']}-{tag}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "caller": caller}, indent=1))
-    plot(rows, caller, meta, args.tag, stem.with_suffix(".png"))
+    plot(rows, caller, meta, tag, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and .png")
 
 
