@@ -217,6 +217,30 @@ def test_every_headline_row_is_checked() -> None:
     assert set(headline()) == set(CHECKS)
 
 
+def readme_results() -> dict[str, str]:
+    """README's results table: first cell -> the ratio cell."""
+    section = (ROOT / "README.md").read_text().split("## Results", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()]
+    return {r[0]: r[-1] for r in rows if len(r) == 3 and r[0] not in ("measured", "") and not set(r[0]) <= {"-", ":"}}
+
+
+def test_the_readme_results_are_the_current_figures() -> None:
+    """Each ratio in the README's results table is the one its JSON holds (ASCII spelling)."""
+    ratio = {
+        "TTFT, 3500 / 16000-token prompt, prefix in L2": (
+            f"{latency_row('l2', 3500)['speedup']:.2f}x / {latency_row('l2', 16000, LONG)['speedup']:.2f}x"
+        ),
+        "TTFT, 350-token prompt, prefix in L2": f"{latency_row('l2', 350)['speedup']:.2f}x",
+        "TTFT, 3500-token prompt, prefix in L3 (local disk)": f"{latency_row('l3', 3500)['speedup']:.2f}x",
+        "L1 <-> L2 transfer speed, 64 / 1024 pages": " / ".join(
+            transfer([n], ("consecutive", "fragmented"), 0.95).printed[0] for n in (64, 1024)
+        ).replace("–", "-"),
+        "decode hidden behind restores": overlap().printed[0],
+        "TTFT after an engine restart (dir store)": share("dir (restart)").printed[0].replace("×", "x"),
+    }
+    assert readme_results() == ratio
+
+
 def test_links_in_results_resolve() -> None:
     """Every relative link and image on the page names a file in the repository."""
     targets = re.findall(r"\]\(([^)#\s]+)\)", DOC.read_text())
