@@ -96,7 +96,6 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
             walks += walked
             idle_polls += idled
         outputs.append(out.tokens)
-    floor = restore_floor(engine, args, prefixes[0], prefix // ps) if tier != "none" else {}
     m = engine.cache.metrics
     engine.cache.check_integrity()
     row = {
@@ -124,11 +123,11 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         "layered_prefills_used": engine.stats.layered_used,
         "graph_replays": engine.runner.graph_replays,
         "outputs": outputs,
-        **floor,
         **check.to_dict(),
     }
-    if floor:
-        row["floor_ratio"] = row["ttft_ms"] / floor["floor_ms"]
+    if tier == "l2":  # after the row took its figures: the floor's own requests are not in them
+        row.update(restore_floor(engine, args, prefixes[0], prefix // ps))
+        row["floor_ratio"] = row["ttft_ms"] / row["floor_ms"]
     engine.close()
     return row
 
@@ -136,13 +135,13 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
 def restore_floor(
     engine: Any, args: argparse.Namespace, prefix: list[int], pages: int, reps: int = 5
 ) -> dict[str, float]:
-    """The restore's floor, measured in this run: the restored bytes at the plain pinned H2D
-    rate (``h2d``) and the tail forward alone (``tail``: the same request with its prefix
+    """An L2 restore's floor, measured in this run: the restored bytes at the plain pinned H2D
+    rate (``h2d``) and the tail alone (``tail``: the TTFT of the same request with its prefix
     already in L1) pipelined layer group by layer group, so the slower of the two plus the
     faster one's share of the group it cannot overlap: max(h2d + tail's last group, tail +
-    h2d's first group). Without a layered restore the two run one after the other. The L1
-    hits come after the timed requests, so they change none of them."""
-    rng = random.Random(len(prefix))
+    h2d's first group). Without a layered restore the two run one after the other. It runs
+    after the timed requests and after their row took its figures."""
+    rng = random.Random(-len(prefix))  # suffixes of their own (run_tier seeds with the length)
     vocab = int(engine.net.config.vocab_size)
     l1_hit: list[float] = []
     served: list[str] = []
@@ -159,6 +158,8 @@ def restore_floor(
     cuda = args.device.startswith("cuda")
     plain: list[float] = []
     if cuda:
+        engine.cache.drain()  # the last request's backups are not beside the plain copy
+        torch.cuda.synchronize()
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(nbytes, dtype=torch.uint8, device=args.device)
         for _ in range(reps + 1):

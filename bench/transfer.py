@@ -72,7 +72,8 @@ def wall(fn: Callable[[], Any], reps: int) -> float:
 def device_time(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
     """Median device seconds of ``fn`` (CUDA events; wall time on CPU). Each sample is queued
     behind a short sleep kernel, so the GPU is busy while ``fn`` is launched: the figure is
-    the work's own time, not the host's launch latency (``enqueue_ms`` reports that)."""
+    the work's own time, without the host's launch latency (the engines' ``enqueue_ms`` is
+    their host time per transfer; the kernels' launch is not reported on its own)."""
     if not cuda:
         return wall(fn, reps)
     fn()

@@ -39,6 +39,7 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
+if [ "$SAMPLE" -gt 0 ] && [ "$PER_FILE" -gt 0 ]; then echo "--sample and --per-file exclude each other" >&2; exit 2; fi
 [ ${#ONLY[@]} -gt 0 ] || ONLY=("hicache/spec/*.py" "hicache/core/*.py")
 
 PY=$ROOT/.venv/bin/python

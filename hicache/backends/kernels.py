@@ -138,8 +138,8 @@ if HAVE_TRITON:
 
 
 # Elements per program along E, and warps per program: bench/probes/transfer_probe.py sweeps
-# both (device time, launches queued); 2048 x 8 warps led at 64 and 256 pages of a Qwen3-8B
-# page on an H200, ahead of 4096 x 8 by 3-4%. bench/transfer.py compares two other blocks.
+# both (device time, launches queued); 2048 x 8 warps led its sweep at 64 and 256 Qwen3-8B
+# pages on an H200. bench/transfer.py times blocks 1024 and 16384 beside it in every run.
 BLOCK = 2048
 WARPS = 8
 
@@ -156,13 +156,14 @@ def _launch(
 ) -> None:
     if not HAVE_TRITON:
         raise ConfigError("triton is not installed")
+    for name, value in (("block", block), ("warps", warps)):
+        if value is not None and (value < 1 or value & (value - 1)):
+            raise ConfigError(f"{name} must be a power of two, got {value}")
     n = ids.numel()
     if n == 0:
         return
     s, p, e = slabs.shape
     block = min(block or BLOCK, triton.next_power_of_2(e))
-    if block < 1 or block & (block - 1):
-        raise ConfigError(f"block must be a power of two, got {block}")
     grid = (n * s, triton.cdiv(e, block))
     kernel[grid](
         a,

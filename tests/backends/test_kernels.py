@@ -21,25 +21,25 @@ def rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("slabs_n", "pool", "elems", "n"), [(2, 5, 3, 2), (6, 13, 97, 7), (4, 9, 1030, 9)])
-@pytest.mark.parametrize("block", [None, 64])
+@pytest.mark.parametrize(("block", "warps"), [(None, None), (64, None), (64, 1), (None, 2)])
 def test_gather_and_scatter_match_torch(
-    dtype: torch.dtype, slabs_n: int, pool: int, elems: int, n: int, block: int | None
+    dtype: torch.dtype, slabs_n: int, pool: int, elems: int, n: int, block: int | None, warps: int | None
 ) -> None:
-    """Any block size (``None``: the default) moves exactly the rows asked for."""
+    """Any block size and warp count (``None``: the default) moves exactly the rows asked for."""
     gen = torch.Generator().manual_seed(slabs_n * 1000 + elems)
     slabs = rand((slabs_n, pool, elems), dtype, gen)
     ids = torch.randperm(pool, generator=gen)[:n].to(DEVICE)
     want = torch.full((n + 1, slabs_n, elems), float("nan"), dtype=dtype, device=DEVICE)
     got = want.clone()
     kernels.gather_torch(slabs, ids, want)
-    kernels.gather_triton(slabs, ids, got, block=block)
+    kernels.gather_triton(slabs, ids, got, block=block, warps=warps)
     assert torch.equal(want[:n], got[:n])
     assert torch.equal(want[:n], slabs[:, ids].transpose(0, 1))
     assert got[n].isnan().all(), "gather wrote past its pages"
     base = rand((slabs_n, pool, elems), dtype, gen)
     a, b = base.clone(), base.clone()
     kernels.scatter_torch(want, ids, a)
-    kernels.scatter_triton(want, ids, b, block=block)
+    kernels.scatter_triton(want, ids, b, block=block, warps=warps)
     assert torch.equal(a, b)
     untouched = torch.ones(pool, dtype=torch.bool)
     untouched[ids.cpu()] = False
@@ -59,6 +59,13 @@ def test_launchers_refuse_bad_arguments() -> None:
         )
     with pytest.raises(ConfigError, match="does not fit"):
         kernels.gather_triton(slabs, torch.tensor([0, 1, 2], device=DEVICE), packed)
+    ids = torch.tensor([0, 1], device=DEVICE)
+    for block in (0, 3, -4):
+        with pytest.raises(ConfigError, match=rf"block must be a power of two, got {block}$"):
+            kernels.gather_triton(slabs, ids, packed, block=block)
+    for warps in (0, 3, -2):
+        with pytest.raises(ConfigError, match=rf"warps must be a power of two, got {warps}$"):
+            kernels.scatter_triton(packed, ids, slabs, warps=warps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -176,9 +176,9 @@ def test_sizes_a_factor_of_two_apart_are_fitted() -> None:
     a.observe(200, 5.0)
     assert a.slope == pytest.approx(0.02) and a.fixed == pytest.approx(1.0)
     b = AffineCost(prior_slope=1.0)
-    b.observe(101, 101.0)  # on the prior line
-    b.observe(200, 200.0)
-    assert b.slope == 1.0 and b.fixed == 0.0
+    b.observe(101, 150.0)  # residual 49: seeds the EWMA
+    b.observe(200, 300.0)  # residual 100: a fifth of the way (a fit would give slope 1.515)
+    assert b.slope == 1.0 and b.fixed == pytest.approx(59.2)
 
 
 def test_negative_fits_are_clamped() -> None:
