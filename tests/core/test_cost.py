@@ -286,3 +286,37 @@ def test_cost_keeps_the_l1_hit_when_nothing_beats_it() -> None:
     m = CostModel(QWEN8B, CostPriors(storage_read_gib_s=0.001, explore=0))
     plan = m.decide(32, 0, 48)
     assert (plan.tier, plan.tokens) == (Tier.L1, 32)
+
+
+def test_each_direction_starts_at_its_prior_rate() -> None:
+    """Before any sample, moving 1 GiB takes 1 / rate seconds in each direction (host rate
+    for H2D and D2H, the storage rates for S2H and H2S), and recompute its per-token prior."""
+    p = CostPriors(host_gib_s=8.0, storage_read_gib_s=2.0, storage_write_gib_s=4.0)
+    m = CostModel(1024, priors=p)
+    gib = 2**30
+    want = {Direction.H2D: 1 / 8, Direction.D2H: 1 / 8, Direction.S2H: 1 / 2, Direction.H2S: 1 / 4}
+    assert {d: m.transfer[d].predict(gib) for d in want} == pytest.approx(want)
+    assert m.recompute.predict(100) == pytest.approx(100 * p.recompute_s_per_token)
+
+
+def test_the_recompute_model_keeps_its_prior_slope_on_a_falling_fit() -> None:
+    """A window where bigger prefills look faster fits a negative slope: the recompute model
+    (what a restore saves per token) keeps its prior instead of 0; a transfer model takes 0."""
+    m = CostModel(1024)
+    for tokens, seconds in ((100, 0.5), (200, 0.4), (300, 0.3)):
+        m.observe_prefill(tokens, seconds)
+        m.observe_transfer(Direction.H2D, tokens, seconds)
+    assert m.recompute.slope == m.priors.recompute_s_per_token
+    assert m.transfer[Direction.H2D].slope == 0.0
+
+
+def test_a_sample_ten_times_the_prediction_but_close_in_seconds_is_kept() -> None:
+    """The outlier hold needs both: more than ``outlier_ratio`` times the prediction AND more
+    than ``outlier_min_s`` above it. 50 ms against a 4 ms prediction is 12.5x but only 46 ms
+    above: it is learned at once, not held back."""
+    a = AffineCost(prior_slope=1e-3)  # 4 units -> 4 ms
+    a.observe(4, 0.05)
+    assert a.held is None and list(a.samples) == [(4, 0.05)]
+    b = AffineCost(prior_slope=1e-3)
+    b.observe(4, 0.06)  # 56 ms above: held until a second sample agrees
+    assert b.held == (4, 0.06) and not b.samples
