@@ -316,7 +316,8 @@ def test_a_sample_ten_times_the_prediction_but_close_in_seconds_is_kept() -> Non
     above: it is learned at once, not held back."""
     a = AffineCost(prior_slope=1e-3)  # 4 units -> 4 ms
     a.observe(4, 0.05)
-    assert a.held is None and list(a.samples) == [(4, 0.05)]
+    assert a.held is None
+    assert list(a.samples) == [(4, 0.05)]
     b = AffineCost(prior_slope=1e-3)
     b.observe(4, 0.06)  # 56 ms above: held until a second sample agrees
-    assert b.held == (4, 0.06) and not b.samples
+    assert (b.held, len(b.samples)) == ((4, 0.06), 0)
