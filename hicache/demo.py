@@ -20,12 +20,18 @@ def _line(core: CacheCore, label: str, prompt: tuple[int, ...]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--prompt-tokens", type=int, default=1000)
+    ap = argparse.ArgumentParser(
+        prog="python -m hicache.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page (>= 1)")
+    ap.add_argument("--prompt-tokens", type=int, default=1000, help="tokens per prompt (>= 2 pages)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     ps = args.page_size
+    if ps < 1:
+        ap.error(f"--page-size {ps}: must be an integer >= 1")
+    if args.prompt_tokens < 2 * ps:
+        ap.error(f"--prompt-tokens {args.prompt_tokens}: must be at least two pages ({2 * ps} tokens)")
     rng = random.Random(args.seed)
     need = args.prompt_tokens // ps
     core = CacheCore(ps, TierSizes(l1_pages=need + need // 2, l2_pages=2 * need, l3_pages=4 * need), tracing=True)

@@ -41,6 +41,9 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
     missing = tmp_path / "no-such-dir" / "l3.bin"
     a_file = tmp_path / "a-file"
     a_file.write_text("")
+    not_a_model = tmp_path / "not-a-model"  # a config.json transformers cannot read
+    not_a_model.mkdir()
+    (not_a_model / "config.json").write_text("{}")
     l3 = ["--enable-hicache", "--hicache-storage-ratio", "1"]
     return [
         (
@@ -93,7 +96,20 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         ),
         (["--frobnicate"], "error: unrecognized arguments: --frobnicate"),
         (["--hicache-rat", "2"], "error: unrecognized arguments: --hicache-rat 2"),
-        (["--model", "nosuch"], f"error: --model nosuch: not a preset ({PRESETS}) nor a local directory"),
+        (
+            ["--model", "nosuch"],
+            f"error: --model nosuch: not a preset ({PRESETS}) nor a checkpoint directory (config.json)",
+        ),
+        (["--model", ""], f"error: --model '': not a preset ({PRESETS}) nor a checkpoint directory (config.json)"),
+        (
+            ["--model", str(tmp_path)],
+            f"error: --model {tmp_path}: not a preset ({PRESETS}) nor a checkpoint directory (config.json)",
+        ),
+        (
+            ["--model", str(not_a_model)],
+            f"error: --model {not_a_model}: model '{not_a_model}': not a checkpoint transformers can load "
+            f"(Unrecognized model in {not_a_model}. Should have a `model_type` key in its config.json.)",
+        ),
         (["--device", "banana"], "error: --device banana: not a torch device (cpu, cuda or cuda:N)"),
         (["--device", "meta"], "error: --device meta: the engine runs on cpu or cuda"),
         (
@@ -103,6 +119,10 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         (
             [*l3, "--hicache-storage-path", str(tmp_path)],
             f"error: --hicache-storage-path {tmp_path}: is a directory; give a file path (backend file)",
+        ),
+        (
+            [*l3, "--hicache-storage-backend", "dir"],
+            "error: --hicache-storage-backend dir: needs --hicache-storage-path (a directory)",
         ),
         (
             [*l3, "--hicache-storage-backend", "dir", "--hicache-storage-path", str(a_file)],

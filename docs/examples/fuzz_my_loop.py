@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="random runs only")
     ap.add_argument("--broken", choices=["h2d", "d2h"], help="fuzz a mover that corrupts one byte per copy")
     args = ap.parse_args(argv)
+    for flag, value in (("--examples", args.examples), ("--steps", args.steps)):
+        if value < 1:
+            ap.error(f"{flag} {value}: must be an integer >= 1")
     mover = broken(args.broken) if args.broken else my_mover
     runs, reqs = fuzz(
         my_l1, mover, examples=args.examples, steps=args.steps, derandomize=args.derandomize, sweep=not args.no_sweep

@@ -22,7 +22,7 @@ import torch
 
 from hicache.core.cost import CostPriors
 from hicache.engine.engine import Engine, Output
-from hicache.engine.model import PRESETS, build_model, kv_geometry
+from hicache.engine.model import PRESETS, build_model, is_checkpoint, kv_geometry
 from hicache.errors import ConfigError, MisuseError
 
 PROG = "python -m hicache.engine"
@@ -233,7 +233,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--hicache-storage-path",
         default=None,
-        help="L3 file (backend file) or directory (backend dir); default: an unnamed temporary file",
+        help="L3 file (backend file; default: an unnamed temporary file) or directory (backend dir: required)",
     )
     h.add_argument(
         "--hicache-storage-direct", action="store_true", help="O_DIRECT L3 I/O, bypassing the page cache (file)"
@@ -388,9 +388,13 @@ def check_device(args: argparse.Namespace) -> None:
 def _check_flags(args: argparse.Namespace) -> None:
     """What can be judged from the flags alone, before a model is built."""
     check_device(args)
-    if args.model not in PRESETS and not Path(args.model).is_dir():
-        raise FlagError("--model", args.model, f"not a preset ({', '.join(sorted(PRESETS))}) nor a local directory")
+    if args.model not in PRESETS and not is_checkpoint(args.model):
+        presets = ", ".join(sorted(PRESETS))
+        raise FlagError("--model", args.model, f"not a preset ({presets}) nor a checkpoint directory (config.json)")
     path = args.hicache_storage_path
+    l3 = args.enable_hicache and (args.hicache_storage_size or args.hicache_storage_ratio)
+    if l3 and path is None and args.hicache_storage_backend == "dir":
+        raise FlagError("--hicache-storage-backend", "dir", "needs --hicache-storage-path (a directory)")
     if path is not None and args.enable_hicache:
         p = Path(path)
         if args.hicache_storage_backend == "dir":

@@ -166,6 +166,11 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # we mask ourselves
 
 
+def is_checkpoint(model: str) -> bool:
+    """``model`` names a local checkpoint directory: one with a ``config.json``."""
+    return bool(model) and (Path(model) / "config.json").is_file()
+
+
 def build_model(
     model: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> torch.nn.Module:
@@ -181,12 +186,17 @@ def build_model(
         torch.manual_seed(seed)
         with torch.device(device):
             net = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
-    elif Path(model).is_dir():
-        net = AutoModelForCausalLM.from_pretrained(
-            model, dtype=dtype, attn_implementation=ATTENTION, local_files_only=True
-        ).to(device)
+    elif is_checkpoint(model):
+        try:
+            net = AutoModelForCausalLM.from_pretrained(
+                model, dtype=dtype, attn_implementation=ATTENTION, local_files_only=True
+            ).to(device)
+        except (OSError, ValueError, KeyError) as exc:  # transformers' word for a checkpoint it cannot read
+            raise ConfigError(f"model {model!r}: not a checkpoint transformers can load ({exc})") from exc
     else:
-        raise ConfigError(f"model must be one of {sorted(PRESETS)} or a local checkpoint directory, got {model!r}")
+        raise ConfigError(
+            f"model must be one of {sorted(PRESETS)} or a local checkpoint directory (a config.json), got {model!r}"
+        )
     result: torch.nn.Module = net.eval()
     return result
 
@@ -196,10 +206,13 @@ def model_geometry(model: str, page_size: int, dtype: torch.dtype) -> KVGeometry
     if model in PRESETS:
         spec = PRESETS[model]
         layers, heads, dim = spec["num_hidden_layers"], spec["num_key_value_heads"], spec["head_dim"]
-    elif Path(model).is_dir():
+    elif is_checkpoint(model):
         from transformers import AutoConfig
 
-        cfg: Any = AutoConfig.from_pretrained(model, local_files_only=True)
+        try:
+            cfg: Any = AutoConfig.from_pretrained(model, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"model {model!r}: not a checkpoint transformers can load ({exc})") from exc
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     else:
@@ -214,7 +227,7 @@ def model_identity(model: str, seed: int = 0) -> str:
     if model in PRESETS:
         return f"preset:{model}:seed={seed}"
     p = Path(model)
-    if not p.is_dir():
+    if not is_checkpoint(model):
         raise ConfigError(f"model must be one of {sorted(PRESETS)} or a local checkpoint directory, got {model!r}")
     h = hashlib.sha256()
     for f in sorted(p.iterdir()):

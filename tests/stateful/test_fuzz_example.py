@@ -48,6 +48,15 @@ def test_the_example_passes_over_our_backends_and_takes_every_transition() -> No
     assert "passed: page-run transitions 72/72, request transitions 21/21" in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize("flag", ["--examples", "--steps"])
+def test_the_example_refuses_a_count_below_one(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A count of 0 is a usage error naming the flag, not a hypothesis traceback."""
+    with pytest.raises(SystemExit) as exc:
+        _example().main([flag, "0"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"fuzz_my_loop.py: error: {flag} 0: must be an integer >= 1"
+
+
 def test_the_example_fails_on_a_mover_that_corrupts_one_byte() -> None:
     """``--broken h2d`` (one byte flipped in every H2D's first page) exits non-zero with the
     content check's report."""

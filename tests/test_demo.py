@@ -1,0 +1,33 @@
+"""``python -m hicache.demo``: runs, and answers bad sizes with one usage error (no traceback)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache import demo
+
+
+def test_the_demo_runs_and_brings_a_prompt_back_from_every_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    """A small run prints the hit lengths and the final status."""
+    demo.main(["--page-size", "4", "--prompt-tokens", "32"])
+    out = capsys.readouterr().out
+    assert out.startswith("hicache core demo: page size 4, prompts of 32 tokens sharing 16")
+    assert '"leases": 0' in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--page-size", "0"], "--page-size 0: must be an integer >= 1"),
+        (["--page-size", "-1"], "--page-size -1: must be an integer >= 1"),
+        (["--prompt-tokens", "5"], "--prompt-tokens 5: must be at least two pages (32 tokens)"),
+        (["--page-size", "2000"], "--prompt-tokens 1000: must be at least two pages (4000 tokens)"),
+    ],
+)
+def test_bad_sizes_are_a_usage_error(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.splitlines()[-1] == f"python -m hicache.demo: error: {message}"
+    assert "Traceback" not in err
