@@ -132,7 +132,11 @@ class Metrics:
 
 # name, help, Metrics attribute
 _COUNTERS = (
-    ("recomputed_tokens", "Prompt tokens in whole pages prefilled instead of taken from a cache tier", "recomputed_tokens"),
+    (
+        "recomputed_tokens",
+        "Prompt tokens in whole pages prefilled instead of taken from a cache tier",
+        "recomputed_tokens",
+    ),
     ("promotions", "L3 runs promoted to L2", "promotions"),
     ("fallbacks", "Restores that failed or could not start (the request recomputed)", "fallbacks"),
     ("policy_skips", "Longer hits the policy chose not to restore", "policy_skips"),

@@ -61,6 +61,7 @@ from hicache.spec.model import Direction, Tier
 IDLE_SLEEP_S = 50e-6
 IDLE_BACKOFF_STEPS = 5
 
+
 class RequestFailed(HiCacheError):
     """:meth:`Engine.generate`'s request could not be served (the message says why)."""
 
