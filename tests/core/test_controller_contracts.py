@@ -1,0 +1,204 @@
+"""Controller contracts an engine relies on: what plan/restore/poll return, which metrics
+count, which errors name what, and how restores of released requests end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from hicache import HiCache
+from hicache.core.controller import Controller, PendingRestore, Request, check_selective_hits
+from hicache.core.cost import Plan
+from hicache.errors import ConfigError, IntegrityError
+from hicache.spec.model import Tier
+from tests.core.test_controller import cached, evict_all, make
+from tests.core.test_shared_store import make as make_keyed
+
+
+def _synchronous(monkeypatch: pytest.MonkeyPatch, mover: object, name: str) -> None:
+    """Make ``mover.name`` finish its copy before returning the ticket: the copy has run,
+    so a release can no longer withdraw it."""
+    issue: Callable[..., Any] = getattr(mover, name)
+
+    def issued(*args: Any, **kwargs: Any) -> Any:
+        ticket = issue(*args, **kwargs)
+        ticket.wait()
+        return ticket
+
+    monkeypatch.setattr(mover, name, issued)
+
+
+def _finish(c: HiCache, pending: PendingRestore) -> None:
+    for _ in range(100):
+        if pending.finished:
+            return
+        c.poll()
+    raise AssertionError("the restore never finished")
+
+
+def test_a_keyed_store_without_a_key_seed_is_refused_by_name() -> None:
+    """A keyed L3 store needs the model's key seed: without one the controller refuses to
+    be built, saying so."""
+    c, _store = make_keyed()
+    assert c.storage is not None and c.storage.keyed
+    with pytest.raises(ConfigError, match=r"^a keyed L3 store needs the pages' key seed \(the model's identity\)$"):
+        Controller(c.core, c.device, c.storage, c.controller.cost, key_seed=None)
+    c.close()
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])
+def test_a_bad_selective_hits_is_refused_naming_the_value(value: object) -> None:
+    """selective_hits must be an int >= 1; the error repeats the value given."""
+    with pytest.raises(ConfigError, match=rf"^selective_hits must be an int >= 1, got {value!r}$"):
+        check_selective_hits(value)
+    c = make()
+    with pytest.raises(ConfigError, match=rf"^selective_hits must be an int >= 1, got {value!r}$"):
+        Controller(c.core, c.device, c.storage, c.controller.cost, selective_hits=value)  # type: ignore[arg-type]
+    c.close()
+
+
+def test_policy_skips_counts_only_plans_that_pass_over_a_longer_hit() -> None:
+    """A plan to recompute counts as a policy skip only when L2 or L3 held more than L1:
+    not for a prompt nobody has seen, nor for one L1 holds as far as any tier."""
+    c = make()
+    tokens = list(range(8))
+    fresh = c.admit([50] * 8)
+    assert c.plan(fresh).tier is Tier.L1 and c.metrics.policy_skips == 0
+    c.release(fresh)
+    cached(c, tokens)
+    req = c.admit(tokens)
+    assert req.hit == (8, 8, 8)
+    assert c.plan(req).tier is Tier.L1 and c.metrics.policy_skips == 0
+    c.release(req)
+    c.close()
+
+
+def test_restore_with_nothing_to_restore_returns_false() -> None:
+    """The blocking restore says False when there is nothing to restore, and the request
+    is ready to prefill from zero."""
+    c = make()
+    req = c.admit(list(range(8)))
+    assert c.restore(req) is False and req.cached_len == 0
+    pages = c.allocate(req, 4)
+    assert pages is not None and c.insert(req, pages) == 8
+    c.release(req)
+    c.close()
+
+
+def test_an_l3_plan_reads_l2_when_the_run_was_promoted_meanwhile() -> None:
+    """A plan made while a run was only in L3, committed after another request promoted it
+    to L2, reads L2 (an H2D, no second promotion) and succeeds."""
+    c = make()
+    tokens = list(range(8))
+    kv = cached(c, tokens, Tier.L1, Tier.L2)
+    a = c.admit(tokens)
+    plan = c.plan(a)
+    assert plan.tier is Tier.L3 and plan.tokens == 8
+    b = c.admit(tokens)
+    assert c.restore(b) and c.metrics.promotions == 1
+    c.release(b)
+    evict_all(c, Tier.L1)
+    assert c.core.match(tokens).lengths == (0, 8, 8)
+    pending = c.start_restore(a, plan)
+    assert pending is not None and pending.stage == "h2d"
+    _finish(c, pending)
+    assert pending.stage == "done" and a.cached_len == 8
+    assert c.metrics.fallbacks == 0 and c.metrics.promotions == 1
+    assert bool((c.l1.buffer[:, :, c.prefix_pages(a)] == kv).all())
+    c.release(a)
+    c.check_integrity()
+    c.close()
+
+
+def test_promotions_accumulate_over_restores() -> None:
+    """metrics.promotions counts every run promoted from L3 to L2, across restores."""
+    c = make()
+    runs = [list(range(4)), [70] * 4, [80] * 4]
+    for toks in runs:
+        cached(c, toks)
+    evict_all(c, Tier.L1, Tier.L2)
+    for i, toks in enumerate(runs, 1):
+        req = c.admit(toks)
+        assert c.restore(req)
+        assert c.metrics.promotions == i
+        c.release(req)
+    c.check_integrity()
+    c.close()
+
+
+def test_wrong_number_of_layer_events_is_refused_and_changes_nothing() -> None:
+    """``layer_events`` reach the device: a count that is neither 0 nor the number of
+    layers is refused with the counts named, and the request is still free to restore."""
+    c = make()
+    tokens = list(range(8))
+    cached(c, tokens, Tier.L1)
+    req = c.admit(tokens)
+    with pytest.raises(ConfigError, match=r"^layer_events: 1 events for 2 layers$"):
+        c.start_restore(req, c.plan(req), layer_events=[object()])
+    st = c.status().core
+    assert st.leases == 0 and all(t.in_flight == 0 for t in st.tiers)
+    assert c.restore(req) and req.cached_len == 8
+    c.release(req)
+    c.check_integrity()
+    c.close()
+
+
+@pytest.mark.parametrize("tier", [Tier.L2, Tier.L3])
+def test_a_restore_released_after_its_copy_ran_ends_cancelled(monkeypatch: pytest.MonkeyPatch, tier: Tier) -> None:
+    """Released while its copy (S2H or H2D) already ran, so it cannot be withdrawn: the next
+    poll ends the restore CANCELLED (not a fallback), and what landed stays in the tree."""
+    c = make()
+    tokens = list(range(8))
+    cached(c, tokens, Tier.L1, *([Tier.L2] if tier is Tier.L3 else []))
+    _synchronous(monkeypatch, c.device, "h2d")
+    _synchronous(monkeypatch, c.storage, "read")
+    req = c.admit(tokens)
+    pending = c.start_restore(req, c.plan(req))
+    assert pending is not None and pending.stage == ("s2h" if tier is Tier.L3 else "h2d")
+    c.release(req)
+    assert not pending.finished
+    finished = c.poll()
+    assert finished == [pending] and pending.stage == "cancelled" and pending.outcome == "cancelled"
+    assert c.metrics.fallbacks == 0 and c.metrics.restores == 0
+    assert c.core.match(tokens).lengths == ((0, 8, 8) if tier is Tier.L3 else (8, 8, 8))
+    st = c.status().core
+    assert st.leases == 0 and all(t.in_flight == 0 for t in st.tiers)
+    c.check_integrity()
+    c.close()
+
+
+def test_a_restore_in_flight_without_a_transfer_is_an_integrity_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocking restore refuses to spin on a restore that claims to be in flight but
+    has no transfer: IntegrityError naming the request and what is wrong."""
+    c = make()
+    tokens = list(range(8))
+    cached(c, tokens, Tier.L1)
+    ctl = c.controller
+    start = ctl.start_restore
+    lost: list[Any] = []
+
+    def without_transfer(req: Request, plan: Plan | None = None, **kw: Any) -> PendingRestore | None:
+        pending = start(req, plan, **kw)
+        assert pending is not None
+        lost.append(pending.transfer)
+        pending.transfer = None  # the bug this guards against
+        return pending
+
+    monkeypatch.setattr(ctl, "start_restore", without_transfer)
+    req = c.admit(tokens)
+    with pytest.raises(IntegrityError) as info:
+        c.restore(req)
+    err = info.value
+    assert (err.invariant, err.where) == ("ordering", f"request #{req.id}")
+    assert err.detail == "a restore in flight has no transfer"
+    assert str(err) == (
+        f"invariant 'ordering' broken at request #{req.id}: a restore in flight has no transfer (this is a bug)"
+    )
+    assert req.restore is not None
+    req.restore.transfer = lost[0]
+    c.drain()
+    c.release(req)
+    c.check_integrity()
+    c.close()
