@@ -11,9 +11,12 @@ import pytest
 from hicache import HiCache
 from hicache.core.controller import Controller, PendingRestore, Request, check_selective_hits
 from hicache.core.cost import Plan
+from hicache.core.keys import format_seed, page_keys
 from hicache.errors import ConfigError, IntegrityError
 from hicache.spec.model import Tier
 from tests.core.test_controller import cached, evict_all, make
+from tests.core.test_shared_store import MODEL, compute
+from tests.core.test_shared_store import G as KEYED_G
 from tests.core.test_shared_store import make as make_keyed
 
 
@@ -201,4 +204,102 @@ def test_a_restore_in_flight_without_a_transfer_is_an_integrity_error(monkeypatc
     c.drain()
     c.release(req)
     c.check_integrity()
+    c.close()
+
+
+def test_observe_prefill_teaches_the_recompute_model() -> None:
+    """A prefill timing given to the controller reaches the recompute model as a sample."""
+    c = make()
+    model = c.controller.cost.recompute
+    seconds = 2 * model.predict(64)  # near the prediction: taken at once, not held
+    before = len(model.samples)
+    c.observe_prefill(64, seconds)
+    assert list(model.samples)[before:] == [(64.0, seconds)]
+    assert model.held is None
+    c.close()
+
+
+def test_note_decode_reaches_every_pending_restore() -> None:
+    """Decode time noted while several restores are pending is added to each of them."""
+    c = make()
+    runs = [list(range(8)), [70] * 8]
+    for toks in runs:
+        cached(c, toks, Tier.L1)
+    reqs = [c.admit(toks) for toks in runs]
+    pendings = [c.start_restore(r, c.plan(r)) for r in reqs]
+    assert all(p is not None and not p.finished for p in pendings)
+    c.note_decode(0.25)
+    c.note_decode(0.5)
+    assert [p.overlapped_s for p in pendings if p is not None] == [0.75, 0.75]
+    for p in pendings:
+        assert p is not None
+        _finish(c, p)
+    for r in reqs:
+        assert r.cached_len == 8
+        c.release(r)
+    c.check_integrity()
+    c.close()
+
+
+def test_l3_lost_runs_counts_every_run_a_shared_store_lost() -> None:
+    """Each run whose pages vanished from a shared store adds one to metrics.l3_lost_runs."""
+    a, store = make_keyed()
+    runs = [list(range(4)), [70] * 4]
+    for seed, toks in enumerate(runs):
+        compute(a, toks, seed=seed)
+    b, _ = make_keyed(store)
+    seed_key = format_seed(MODEL, KEYED_G)
+    for i, toks in enumerate(runs, 1):
+        req = b.admit(toks)
+        assert req.hit[2] == 4
+        store.drop(page_keys(seed_key, toks, KEYED_G.page_size)[1])
+        assert not b.restore(req, b.plan(req))
+        assert b.metrics.l3_lost_runs == i
+        b.release(req)
+    b.check_integrity()
+    a.close()
+    b.close()
+
+
+def test_a_failed_l3_read_keeps_the_l3_copy() -> None:
+    """A read that fails (I/O error) while the pages are still in the store falls back, but
+    the run keeps its L3 copy: nothing is counted lost, the next request restores it."""
+    c = make()
+    tokens = list(range(8))
+    kv = cached(c, tokens, Tier.L1, Tier.L2)
+    c.faults.add("eio", op="read")
+    req = c.admit(tokens)
+    assert not c.restore(req, c.plan(req))
+    assert c.metrics.fallbacks == 1 and c.metrics.l3_lost_runs == 0
+    assert c.core.match(tokens).lengths == (0, 0, 8)
+    c.release(req)
+    again = c.admit(tokens)
+    assert c.restore(again) and again.cached_len == 8
+    assert bool((c.l1.buffer[:, :, c.prefix_pages(again)] == kv).all())
+    c.release(again)
+    c.check_integrity()
+    c.close()
+
+
+def test_publishing_the_wrong_number_of_pages_is_an_integrity_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore about to publish fewer pages than its plan covers is refused as a bug:
+    IntegrityError naming the request and the count."""
+    c = make()
+    tokens = list(range(8))
+    cached(c, tokens, Tier.L1)
+    ctl = c.controller
+    after = ctl._prefix_after
+    monkeypatch.setattr(ctl, "_prefix_after", lambda req, transfer: after(req, transfer)[:-1])
+    req = c.admit(tokens)
+    pending = c.start_restore(req, c.plan(req))
+    assert pending is not None
+    with pytest.raises(IntegrityError) as info:
+        for _ in range(100):
+            c.poll()
+    err = info.value
+    assert (err.invariant, err.where, err.detail) == (
+        "request-restore-pages",
+        f"request #{req.id}",
+        "3 pages published",
+    )
     c.close()
