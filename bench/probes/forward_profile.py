@@ -53,11 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=10, help="profiled forwards per mode")
     ap.add_argument("--attention", choices=["auto", "paged", "gqa", "fold"], default="auto")
     ap.add_argument("--top", type=int, default=12, help="kernels named per mode")
+    ap.add_argument("--plain-norms", action="store_true", help="keep transformers' RMSNorm (not fused)")
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
-    net = build_model(args.model, device=args.device, dtype=dtype)
+    net = build_model(args.model, device=args.device, dtype=dtype, fused_norms=False if args.plain_norms else None)
     ps = args.page_size
     pages = list(range(-(-(args.context + args.tail) // ps)))
     pool = DevicePool.allocate(kv_geometry(net, ps), len(pages), args.device)
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt = torch.randint(0, vocab, (args.context + args.tail,), generator=gen).tolist()
     print(
         f"{args.model} ({dtype}) on {torch.cuda.get_device_name() if cuda else 'CPU'}: "
-        f"{args.tail} tokens over {args.context} cached, attention {attention}"
+        f"{args.tail} tokens over {args.context} cached, attention {attention}, "
+        f"norms {'plain' if args.plain_norms else 'fused'}"
     )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     result: dict[str, Any] = {"model": args.model, "context": args.context, "tail": args.tail, "modes": {}}

@@ -622,15 +622,16 @@ class TransferEngine:
         timer = self._timer() if self.cuda else None
         t = time.perf_counter()
         if timer is not None:
+            # NOTE: every call below names the stream: no current-stream switch (its host
+            # cost is a fair part of a one-page transfer's).
             self._wait_caller()
-            with torch.cuda.stream(self.stream):
-                timer[0].record(self.stream)
-                try:
-                    dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, self.stream)
-                    for event in {id(e): e for e in events or ()}.values():  # every layer lands with the last page
-                        event.record(self.stream)
-                finally:
-                    timer[1].record(self.stream)
+            timer[0].record(self.stream)
+            try:
+                dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, self.stream)
+                for event in {id(e): e for e in events or ()}.values():  # every layer lands with the last page
+                    event.record(self.stream)
+            finally:
+                timer[1].record(self.stream)
             ticket.event, ticket.stream = timer[1], self.stream
         else:
             dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, None)
@@ -711,13 +712,26 @@ class TransferEngine:
             runs[:] = page_runs(l2_pages)
         return "ring"
 
-    def _dma(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """One copy of whole pages between a ring slot and L2 pages, on the current stream."""
-        if self.cuda and dma.AVAILABLE:
-            nbytes = src.numel() * src.element_size()
-            dma.copy_raw(dst.data_ptr(), src.data_ptr(), nbytes, torch.cuda.current_stream())
-        else:
-            dst.copy_(src, non_blocking=self.cuda)
+    def _dma_runs(
+        self, slot: torch.Tensor, to_l2: bool, runs: Iterator[tuple[int, int]], a: int, l2_pages: Sequence[int]
+    ) -> None:
+        """The DMAs between ring slot ``slot`` (holding pages ``a ..``) and L2, one per run
+        of consecutive L2 pages, queued on the current stream in one batched call where the
+        runtime has it (:func:`dma.copy_batch`); on CPU the same addresses, copied at once."""
+        if self.cuda and not dma.AVAILABLE:
+            l2 = self.l2.slabs
+            for first, end in runs:
+                h, part = l2_pages[first], slot[first - a : end - a]
+                (l2[h : h + end - first].copy_(part, non_blocking=True) if to_l2 else
+                 part.copy_(l2[h : h + end - first], non_blocking=True))  # fmt: skip
+            return
+        bpp = self.bytes_per_page
+        slot_at, l2_at = slot.data_ptr(), self.l2.slabs.data_ptr()
+        copies = []
+        for first, end in runs:
+            ring, host, nbytes = slot_at + (first - a) * bpp, l2_at + l2_pages[first] * bpp, (end - first) * bpp
+            copies.append((host, ring, nbytes) if to_l2 else (ring, host, nbytes))
+        dma.copy_batch(copies, torch.cuda.current_stream() if self.cuda else None)
 
     def _ring_copies(self, d2h: bool, ids: torch.Tensor, l2_pages: Sequence[int], runs: list[tuple[int, int]]) -> None:
         """Chunk by chunk through the ring (module docstring). One chunk runs on the
@@ -730,7 +744,6 @@ class TransferEngine:
         copy, kern = self.stream, self.kernel_stream if two else self.stream
         if two:
             self._wait_join(kern, copy)
-        l2 = self.l2.slabs
         k = 0
         for j, (a, b) in enumerate(spans):
             k = j % ring.count
@@ -743,17 +756,13 @@ class TransferEngine:
                 if two:
                     ring.ready[k].record(kern)
                     self._wait_ready(copy, ring.ready[k])
-                for first, end in _clip(runs, a, b):
-                    h = l2_pages[first]
-                    self._dma(l2[h : h + end - first], slot[first - a : end - a])
+                self._dma_runs(slot, True, _clip(runs, a, b), a, l2_pages)
                 if two:
                     ring.free[k].record(copy)
             else:
                 if two and j >= ring.count:
                     self._wait_free(copy, ring.free[k])
-                for first, end in _clip(runs, a, b):
-                    h = l2_pages[first]
-                    self._dma(slot[first - a : end - a], l2[h : h + end - first])
+                self._dma_runs(slot, False, _clip(runs, a, b), a, l2_pages)
                 if two:
                     ring.ready[k].record(copy)
                     self._wait_ready(kern, ring.ready[k])

@@ -28,6 +28,7 @@ from hicache.backends import dma
 from hicache.backends.pools import DevicePool
 from hicache.core.geometry import KVGeometry
 from hicache.engine import attention as paged
+from hicache.engine import fused
 from hicache.engine.attention import visible as visible  # re-exported: the mask rule lives with the kernel
 from hicache.errors import ConfigError, MisuseError
 
@@ -172,10 +173,16 @@ def is_checkpoint(model: str) -> bool:
 
 
 def build_model(
-    model: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
+    model: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    fused_norms: bool | None = None,
 ) -> torch.nn.Module:
     """A preset name (random weights, fixed seed) or a local checkpoint directory. Nothing
-    is downloaded."""
+    is downloaded. ``fused_norms``: RMSNorms in one Triton kernel each
+    (:func:`hicache.engine.fused.fuse_norms`); None: on CUDA when Triton is installed."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _register()
@@ -197,6 +204,10 @@ def build_model(
         raise ConfigError(
             f"model must be one of {sorted(PRESETS)} or a local checkpoint directory (a config.json), got {model!r}"
         )
+    if fused_norms is None:
+        fused_norms = torch.device(device).type == "cuda"
+    if fused_norms:
+        fused.fuse_norms(net)
     result: torch.nn.Module = net.eval()
     return result
 

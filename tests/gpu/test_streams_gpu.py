@@ -67,7 +67,7 @@ def judge(fresh: bool, wait: str | None) -> None:
 def slow(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
     """Queue a long kernel on the current stream before each of the engine's DMAs
     (``what="dma"``) or gathers/scatters (``"kernel"``), so that side runs late."""
-    name = "_dma" if what == "dma" else "_run"
+    name = "_dma_runs" if what == "dma" else "_run"
     real = getattr(engine, name)
 
     def late(*args: Any) -> None:
