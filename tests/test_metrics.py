@@ -180,3 +180,18 @@ def test_server_misuse_and_bad_ports() -> None:
             server.start()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("counts", [[1, 2], [0, 0, 0, 0], [1, -1, 0], [0, 1.5, 0], [True, 0, 0]], ids=str)
+def test_histogram_refuses_counts_that_do_not_fit_its_bounds(counts: list[int]) -> None:
+    """Counts given at construction must be one non-negative int per bound plus +Inf: a
+    wrong length used to pass and break ``observe``/``cumulative`` later."""
+    with pytest.raises(ConfigError, match=r"must be 3 non-negative ints"):
+        Histogram((0.1, 1.0), counts)
+
+
+def test_histogram_keeps_counts_that_fit() -> None:
+    """A fitting list is kept as given and accumulates from there."""
+    h = Histogram((0.1, 1.0), [1, 0, 2])
+    h.observe(0.5)
+    assert h.counts == [1, 1, 2] and h.cumulative() == [("0.1", 1.0), ("1.0", 2.0), ("+Inf", 4.0)]

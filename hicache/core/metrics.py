@@ -31,6 +31,13 @@ class Histogram:
             raise ConfigError(f"histogram bounds must be increasing, got {self.bounds}")
         if not self.counts:
             self.counts = [0] * (len(self.bounds) + 1)
+        elif len(self.counts) != len(self.bounds) + 1 or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.counts
+        ):
+            raise ConfigError(
+                f"histogram counts must be {len(self.bounds) + 1} non-negative ints (one per bound, then +Inf), "
+                f"got {self.counts!r}"
+            )
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1

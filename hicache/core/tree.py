@@ -367,7 +367,10 @@ class HiRadixTree:
         return state is not None and step(state, evict_event(tier)) is not None
 
     def push_candidate(self, node: Node, tier: Tier) -> None:
-        """Index ``node`` for eviction in ``tier`` if it is evictable now."""
+        """Index ``node`` for eviction in ``tier`` if it is evictable now. Entries go stale
+        (re-stamped or no longer evictable nodes stay until popped), so the index is rebuilt
+        from the live nodes as soon as it holds more than 4 entries per node plus 64: memory
+        stays linear in the tree whatever the access pattern."""
         if not self.is_evictable(node, tier):
             return
         heap = self._heaps[tier]

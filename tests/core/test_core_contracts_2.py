@@ -97,8 +97,10 @@ def test_an_empty_model_id_is_refused_naming_it() -> None:
 
 
 def test_a_histogram_whose_counts_miss_a_bucket_refuses_to_report() -> None:
-    """Counts one short of the buckets (bounds plus +Inf) are not silently truncated."""
-    h = Histogram(bounds=(1.0, 2.0), counts=[1, 2])
+    """Counts one short of the buckets (bounds plus +Inf) are not silently truncated: the
+    constructor refuses them, and a list cut short afterwards fails the exposition."""
+    h = Histogram(bounds=(1.0, 2.0), counts=[1, 2, 0])
+    h.counts.pop()
     with pytest.raises(ValueError, match="shorter"):
         h.cumulative()
 
