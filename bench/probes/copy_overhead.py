@@ -21,19 +21,22 @@ import cProfile
 import io
 import pstats
 import statistics
-import time
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the transfer bench's helpers
+from transfer import QWEN3_8B, wall
+
 from hicache.backends import dma
 from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.transfer import TransferEngine
-from hicache.core.geometry import KVGeometry
 
 _Event: Any = torch.cuda.Event
-G = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+G = QWEN3_8B
 
 
 def device_ms(fn: Callable[[], Any], reps: int, streams: list[Any]) -> float:
@@ -59,15 +62,13 @@ def device_ms(fn: Callable[[], Any], reps: int, streams: list[Any]) -> float:
 
 
 def wall_ms(fn: Callable[[], Any], reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
+    """Median wall ms of ``fn`` and the GPU work it queued (:func:`transfer.wall`)."""
+
+    def done() -> None:
         fn()
         torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+
+    return wall(done, reps) * 1e3
 
 
 def batch_variants() -> dict[str, Callable[..., None]]:
