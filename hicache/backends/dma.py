@@ -11,6 +11,7 @@ dependency: :data:`AVAILABLE` says whether it is installed and usable here.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,6 +119,7 @@ def copy_raw(dst: int, src: int, nbytes: int, stream: Any) -> None:
         raise RuntimeError(f"cudaMemcpyAsync failed: {err!r}")
 
 
+@functools.cache
 def _batch_attrs() -> Any:
     """The one attribute set of a batch: each copy reads its source in stream order."""
     attrs = _rt.cudaMemcpyAttributes()
@@ -130,7 +132,6 @@ def _batch_attrs() -> Any:
 # between copies (0.93-0.95 of a plain copy for 2.25 MiB runs on an H200); a batch does not
 # (bench/results/copy_overhead-*.txt). None where the runtime lacks it or refused it once.
 _BATCH: Any = getattr(_rt, "cudaMemcpyBatchAsync", None) if AVAILABLE else None
-_ATTRS: list[Any] = []
 
 
 def batch_usable() -> bool:
@@ -151,13 +152,12 @@ def copy_batch(copies: Sequence[tuple[int, int, int]], stream: Any) -> None:
         return
     copies = [c for c in copies if c[2]]
     if len(copies) > 1 and _BATCH is not None:
-        if not _ATTRS:
-            _ATTRS.append(_batch_attrs())
+        attrs = [_batch_attrs()]
         dsts, srcs, sizes = (list(x) for x in zip(*copies, strict=True))
         try:
-            out = _BATCH(dsts, srcs, sizes, len(copies), _ATTRS, [0], 1, stream.cuda_stream)
+            out = _BATCH(dsts, srcs, sizes, len(copies), attrs, [0], 1, stream.cuda_stream)
         except TypeError:  # CUDA 12.8-12.9 bindings: a failure-index argument before the stream
-            out = _BATCH(dsts, srcs, sizes, len(copies), _ATTRS, [0], 1, 0, stream.cuda_stream)
+            out = _BATCH(dsts, srcs, sizes, len(copies), attrs, [0], 1, 0, stream.cuda_stream)
         err = out[0] if isinstance(out, tuple) else out
         if err == _OK:
             return

@@ -81,7 +81,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def _fused_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    if hidden_states.dtype != self.weight.dtype or not hidden_states.is_cuda:
+    if hidden_states.dtype != self.weight.dtype or not hidden_states.is_cuda or hidden_states.shape[-1] > MAX_WIDTH:
         return rms_norm_torch(hidden_states, self.weight, self.variance_epsilon)
     return rms_norm_triton(hidden_states, self.weight, self.variance_epsilon)
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from hicache.backends import dma
 from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.storage import StorageBackend, StorageFile
 from hicache.backends.transfer import TransferBackend, TransferEngine
@@ -187,3 +188,29 @@ def test_offsets_are_64_bit(direct_max_bytes: int, copy_max_pages: int) -> None:
     assert engine.h2d([0, 1], [0, 1]).wait()
     torch.cuda.synchronize()
     assert torch.equal(dev.buffer[:, :, 0:2], dev.buffer[:, :, last])
+
+
+@pytest.mark.skipif(not dma.batch_usable(), reason="needs cudaMemcpyBatchAsync (CUDA 12.8+)")
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_fragmented_ring_dmas_go_in_one_batch_and_land_exactly(direction: str) -> None:
+    """A chunk of fragmented L2 pages is one batched DMA call: the runtime accepts it (the
+    engine would otherwise drop to one call per run for good), and every page lands exactly."""
+    g = KVGeometry(4, 2, 64, 16, torch.bfloat16)
+    dev = DevicePool.allocate(g, 64, "cuda")
+    dev.buffer.copy_(torch.randn(dev.buffer.shape, device="cuda").to(g.dtype))
+    host = HostPool(g, 64)
+    host.page_buffer.copy_(torch.randn(host.page_buffer.shape).to(g.dtype))
+    engine = TransferEngine(dev, host, "triton", copy_max_pages=0, direct_max_bytes=0, min_run_bytes=0,
+                            chunk_bytes=8 * g.bytes_per_page, chunks=2)  # fmt: skip
+    l1, l2 = list(range(3, 23)), list(range(40, 0, -2))  # 20 runs of one page, 3 chunks
+    if direction == "d2h":
+        want = dev.slabs[:, l1].transpose(0, 1).cpu()
+        assert engine.d2h(l1, l2).wait()
+        got = host.slabs[l2]
+    else:
+        want = host.slabs[l2].clone()
+        assert engine.h2d(l2, l1).wait()
+        got = dev.slabs[:, l1].transpose(0, 1).cpu()
+    assert engine.paths["ring"] == 1
+    assert dma.batch_usable()  # accepted: not dropped to one call per run
+    assert torch.equal(got, want)
