@@ -242,7 +242,7 @@ class CostModel:
                 return Plan(Tier.L1, n1, 0.0, 0.0, 0.0)
             restore = self.restore_cost(tier, n1, n2, n3, n)
             recompute = self.recompute.marginal(n - n1)
-            return Plan(tier, n, recompute - restore, restore, recompute)
+            return Plan(tier, n, recompute - self.priors.margin * restore, restore, recompute)
         best = Plan(Tier.L1, n1, 0.0, 0.0, 0.0)
         trial: Plan | None = None
         for tier, n in candidates:

@@ -90,3 +90,15 @@ def test_exploring_l3_counts_storage_read_samples_not_host_ones() -> None:
     for _ in range(2):
         storage_learned.observe_transfer(Direction.S2H, B, T)
     assert storage_learned.decide(0, 0, 8) == Plan(Tier.L1, 0, 0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("policy", [Policy.ALWAYS, Policy.COST])
+def test_a_plans_benefit_weighs_the_restore_by_the_margin_under_every_policy(policy: Policy) -> None:
+    """``benefit_s`` is recompute saved minus margin times restore (Plan's docstring), also
+    under ``always``, where it informs and does not decide."""
+    priors = CostPriors(recompute_s_per_token=S_R, host_gib_s=1.0, storage_read_gib_s=1.0, margin=1.5)
+    plan = CostModel(B, priors, policy).decide(0, 64, 0)  # 64 tokens in L2, none in L1
+    restore, recompute = 64 * T, 64 * S_R  # an H2D of 64 tokens; their recompute (no fixed costs)
+    assert plan.tier is Tier.L2 and plan.tokens == 64
+    assert plan.predicted_restore_s == restore and plan.predicted_recompute_s == recompute
+    assert plan.benefit_s == recompute - 1.5 * restore
