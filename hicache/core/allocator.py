@@ -68,7 +68,9 @@ class PageAllocator(Generic[P]):
     # -- mutation ------------------------------------------------------------------------
 
     def allocate(self, n: int) -> list[P] | None:
-        """``n`` pages, consecutive when any free run is long enough; None if too few free."""
+        """``n`` pages, consecutive when any free run is long enough (the shortest such run);
+        otherwise from the longest runs first, so in as few pieces as the free runs allow.
+        None if too few are free."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise PageOwnershipError(f"{self.name}: page count must be a non-negative int, got {n!r}")
         if n > self._num_free:
