@@ -18,7 +18,6 @@ measured in the same run (CUDA events around the work on one stream):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -64,31 +63,6 @@ def wall_ms(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
-def batch_copy_fn() -> Callable[..., None] | None:
-    rt: Any = getattr(dma, "_rt", None)
-    fn = getattr(rt, "cudaMemcpyBatchAsync", None) if rt is not None else None
-    if fn is None:
-        print("cudaMemcpyBatchAsync: not in this cuda-python")
-        return None
-    print("cudaMemcpyBatchAsync doc:", (fn.__doc__ or "")[:600].replace("\n", " | "))
-    attr = rt.cudaMemcpyAttributes()
-    attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-    with contextlib.suppress(AttributeError):
-        attr.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
-
-    def run(dsts: list[int], srcs: list[int], sizes: list[int], stream: Any) -> None:
-        n = len(dsts)
-        try:
-            out = fn(dsts, srcs, sizes, n, [attr], [0], 1, stream.cuda_stream)
-        except TypeError:
-            out = fn(dsts, srcs, sizes, n, [attr], [0], 1, 0, stream.cuda_stream)
-        err = out[0] if isinstance(out, tuple) else out
-        if err != rt.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"cudaMemcpyBatchAsync: {out!r}")
-
-    return run
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, nargs="+", default=[64, 256])
@@ -99,7 +73,6 @@ def main() -> None:
     l2 = HostPool(G, 2 * top + 8)
     page = G.bytes_per_page
     stream: Any = dma.new_stream(torch.device("cuda"))  # batched copies refuse the legacy default stream
-    batch = batch_copy_fn()
     for n in args.pages:
         nbytes = n * page
         dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -155,16 +128,11 @@ def main() -> None:
             t = device_ms(lambda: per_page(d2h), args.reps)
             w = wall_ms(lambda: per_page(d2h), args.reps)
             print(f"  frag {key} per-page 1D DMA: {plain[key] / t:.3f} (device), host+device {w:.3f} ms")
-            if batch is not None:
-                try:
-                    sizes = [page] * n
-                    t = device_ms(
-                        lambda: batch(dst_h, src_d, sizes, stream) if d2h else batch(src_d, dst_h, sizes, stream),
-                        args.reps,
-                    )
-                    print(f"  frag {key} batched DMA:     {plain[key] / t:.3f}")
-                except Exception as exc:  # a probe reports and goes on
-                    print(f"  frag {key} batched DMA failed: {exc!r}")
+            if dma.batch_usable():  # the engine's batched call (bench/probes/copy_overhead.py: its variants)
+                pairs = list(zip(dst_h, src_d, [page] * n, strict=True))
+                back = [(d, h, size) for h, d, size in pairs]
+                t = device_ms(lambda: dma.copy_batch(pairs if d2h else back, stream), args.reps)
+                print(f"  frag {key} batched DMA:     {plain[key] / t:.3f} (still batched: {dma.batch_usable()})")
         # engine paths
         l1_pages = list(range(0, 2 * n, 2))
         for label, kw in (

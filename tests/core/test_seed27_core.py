@@ -18,6 +18,7 @@ from hicache.errors import ConfigError, IntegrityError, MisuseError
 from hicache.spec.model import Direction, Event, RunState, Tier
 from hicache.spec.request import ReqEvent, ReqState
 from hicache.testing.tag_movers import TagDevice, TagFabric, TagStorage
+from tests.core.test_seed26_controller import _cached
 from tests.core.test_tree import make, prefill, through
 
 PS = 2  # tokens per page
@@ -65,18 +66,6 @@ def _make(
     cost = CostModel(1, CostPriors(), "always")
     c = Controller(core, TagDevice(fabric), store, cost, write_policy=write_policy, verifier=verifier, key_seed=seed)
     return c, fabric
-
-
-def _cached(c: Controller, tokens: list[int], *drop: Tier) -> None:
-    """Prefill ``tokens``, back them up through every tier, release, drop the given tiers."""
-    req = c.admit(tokens)
-    pages = c.allocate(req, len(tokens) // PS - req.cached_len // PS)
-    assert pages is not None
-    c.insert(req, pages)
-    c.release(req)
-    c.drain()
-    for tier in drop:
-        c.core.evict(tier, 10**6)
 
 
 @pytest.mark.parametrize("page_size", [True, 2.0])
