@@ -61,6 +61,7 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         policy="always",
         max_batch=1,
     )
+    engine.cache.device.split_layered = args.split_layered
     rng = random.Random(prefix)
     vocab = int(net.config.vocab_size)  # type: ignore[union-attr, arg-type]
     prefixes = [[rng.randrange(vocab) for _ in range(prefix)] for _ in range(2)]
@@ -202,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     b.add_argument(
         "--no-clock-burst", dest="clock_burst", action="store_false", help="do not warm the GPU up before each request"
+    )
+    b.add_argument(
+        "--split-layered",
+        action="store_true",
+        help="a layered restore's scatters on the transfer engine's kernel stream (TransferEngine.split_layered)",
     )
     add_out_args(ap)
     args = ap.parse_args(argv)

@@ -76,7 +76,7 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
         "attention": runner.attention,
         "layered_restore": engine.layered,
         "prefetch": engine.prefetch,
-        "transfer": {k: engine.cache.device.status()[k] for k in ("gather", "scatter")},
+        "transfer": {k: engine.cache.device.status()[k] for k in ("gather", "scatter", "split_layered")},
     }
 
 

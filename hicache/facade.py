@@ -230,6 +230,11 @@ class HiCache:
         """Advance transfers; the restores that finished (:meth:`Controller.poll`)."""
         return self.controller.poll()
 
+    def settle(self) -> bool:
+        """Block until the first restore copy in flight has landed, if every restore in
+        flight is a copy to the device; whether it blocked (:meth:`Controller.settle`)."""
+        return self.controller.settle()
+
     def allocate(self, req: Request, n: int) -> list[DevicePage] | None:
         """``n`` private L1 pages, or None without room (:meth:`Controller.allocate`)."""
         return self.controller.allocate(req, n)

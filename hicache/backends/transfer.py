@@ -22,6 +22,12 @@ A transfer larger than one chunk alternates two streams: gathers (scatters) on
 compact layout and one scatter with at most ``scatter_programs`` programs (fragmented L2
 pages: one zero-copy load from L2 instead); then the distinct events among
 ``layer_events[lo:hi]`` are recorded, each only after those layers of every page landed.
+All on ``stream`` by default; with ``split_layered``, DMAs on ``stream`` and scatters, loads
+and records on ``kernel_stream``, so the copy engine runs from one group to the next without
+waiting for a scatter::
+
+    stream:         DMA g0 | DMA g1 | DMA g2 | ...           (slot k refilled once scattered)
+    kernel_stream:         | scat 0 | scat 1 | scat 2 ...   (records g's layer events)
 
 Streams: a transfer starts on ``stream`` behind the caller's current stream (pages and
 page ids it produced are ready; pages it still reads are not overwritten) and ends there
@@ -218,7 +224,9 @@ class TransferEngine:
     ``chunk_bytes`` and ``chunks`` size the ring (device memory ``chunks`` x whole pages of
     ``chunk_bytes``, at least one page each); ``direct_max_bytes`` is the size up to which a
     transfer goes direct (0: never); ``fences`` says what a transfer does about pages another
-    backend still moves: ``wait`` for it, or ``raise`` :class:`PagesInFlightError`.
+    backend still moves: ``wait`` for it, or ``raise`` :class:`PagesInFlightError`;
+    ``split_layered`` runs a layered H2D's scatters on the kernel stream, so its DMAs never
+    wait for a scatter (module docstring).
     """
 
     def __init__(
@@ -237,6 +245,7 @@ class TransferEngine:
         direct_max_bytes: int = DIRECT_MAX_BYTES,
         copy_max_pages: int | None = None,
         fences: FencePolicy = "wait",
+        split_layered: bool = False,
     ) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ConfigError(f"transfer backend must be auto, triton or torch; got {backend!r}")
@@ -289,6 +298,9 @@ class TransferEngine:
         self.copy_max_pages = (COPY_MAX_PAGES if self.cuda else 0) if copy_max_pages is None else copy_max_pages
         self.copy_usable = self.copy_max_pages > 0 and (dma.AVAILABLE or not self.cuda)
         self.fence_policy: FencePolicy = fences
+        # NOTE: off by default until measured on a GPU (bench/probes/layered_rate.py compares
+        # both); the stream-order tests for it run on CUDA only.
+        self.split_layered = split_layered
         self.gather_backend: str | None = None
         self.scatter_backend: str | None = None
         self.autotune_ms: dict[str, float] = {}
@@ -609,8 +621,8 @@ class TransferEngine:
     ) -> Path:
         """The copy path: one strided DMA per page between L1 and L2 (:func:`dma.copy_pages`).
 
-            L1  [2*layers, pages, E]:  page p = 2*layers rows of E elements, a slab apart
-            L2  [pages, 2*layers, E]:  page q = the same rows, contiguous
+        L1  [2*layers, pages, E]:  page p = 2*layers rows of E elements, a slab apart
+        L2  [pages, 2*layers, E]:  page q = the same rows, contiguous
         """
         g = self.geometry
         width = g.page_elements * self.l1.buffer.element_size()
@@ -681,6 +693,11 @@ class TransferEngine:
     def _wait_free(self, producer: Any, event: Any) -> None:
         """Reusing a ring slot waits until the slot's previous consumer has finished."""
         producer.wait_event(event)
+
+    def _wait_done(self, stream: Any, kern: Any) -> None:
+        """A layered H2D ends on ``stream`` only after its last scatter, load and record on
+        the kernel stream (the ticket's event then means every layer landed)."""
+        stream.wait_stream(kern)
 
     # -- the three paths ---------------------------------------------------------------------
 
@@ -784,43 +801,76 @@ class TransferEngine:
         runs: list[tuple[int, int]],
         events: Sequence[Any],
     ) -> None:
-        """On the transfer stream, per group of layers: its layers of every page into L1
-        (zero-copy from L2 given ``l2_ids``; else strided DMAs into ring slots in the
-        compact layout, units of as many pages as a slot holds, one scatter each), then
-        one record per distinct event of the group."""
+        """Per group of layers: its layers of every page into L1 (zero-copy from L2 given
+        ``l2_ids``; else strided DMAs into ring slots in the compact layout, units of as
+        many pages as a slot holds, one scatter each), then one record per distinct event
+        of the group, all on the transfer stream. With ``split_layered`` (CUDA) the DMAs go
+        on the transfer stream and the scatters, loads and records on the kernel stream, so
+        a group's scatter overlaps the next group's DMAs; a slot is refilled only after its
+        scatter, and the transfer ends after the kernel stream's last work."""
         g = self.geometry
         layers, n = g.num_layers, ids.numel()
         ring = self._ring
         assert ring is not None and self._ids is not None
-        size = ring.memory.element_size()
-        slab = g.page_elements * size  # bytes of one layer's K (or V) of a page
-        pitch = 2 * layers * slab  # bytes of a page in L2
-        base = self.l2.slabs.data_ptr()
-        # NOTE: the DMAs go by address (L2 is pinned, checked at planning): per-copy checks of
-        # views cost more host time than the copies' enqueue, and the forward launches after it.
-        rows = dma.copy_rows_raw if self.cuda else None
+        copy, kern = self.stream, self.kernel_stream if self.cuda and self.split_layered else None
+        if kern is not None:
+            self._wait_join(kern, copy)
         unit = 0
         for lo, hi in self.layer_groups():
             count = hi - lo
-            if l2_ids is None or not self._load_in_place(l2_ids, ids, (lo, hi)):
+            with self._on(kern):
+                loaded = l2_ids is not None and self._load_in_place(l2_ids, ids, (lo, hi))
+            if not loaded:
                 per = max(1, ring.pages * layers // count)
                 per -= per & 1 if per > 1 else 0
-                dpitch = 2 * count * slab
                 for a in range(0, n, per):
                     b = min(n, a + per)
-                    buf = ring.flat(unit % ring.count, (b - a, 2 * count, g.page_elements))
+                    k = unit % ring.count
+                    if kern is not None and unit >= ring.count:
+                        self._wait_free(copy, ring.free[k])
+                    buf = ring.flat(k, (b - a, 2 * count, g.page_elements))
                     unit += 1
-                    for first, end in _clip(runs, a, b):
-                        for kv in (0, 1):
-                            dst = buf.data_ptr() + (first - a) * dpitch + kv * count * slab
-                            src = base + l2_pages[first] * pitch + (kv * layers + lo) * slab
-                            if rows is not None:
-                                rows(dst, dpitch, src, pitch, count * slab, end - first, self.stream)
-                            else:
-                                dma.copy_rows_host(dst, dpitch, src, pitch, count * slab, end - first)
-                    self._scatter_layers(buf, self._ids.arange[: b - a], ids[a:b], (lo, hi))
+                    self._layer_dmas(buf, (lo, hi), _clip(runs, a, b), a, l2_pages)
+                    if kern is not None:
+                        ring.ready[k].record(copy)
+                        self._wait_ready(kern, ring.ready[k])
+                    with self._on(kern):
+                        self._scatter_layers(buf, self._ids.arange[: b - a], ids[a:b], (lo, hi))
+                    if kern is not None:
+                        ring.free[k].record(kern)
             for event in {id(e): e for e in events[lo:hi]}.values():
-                event.record(self.stream)
+                event.record(kern if kern is not None else self.stream)
+        if kern is not None:
+            self._wait_done(copy, kern)
+
+    def _layer_dmas(
+        self,
+        buf: torch.Tensor,
+        layers: tuple[int, int],
+        runs: Iterator[tuple[int, int]],
+        a: int,
+        l2_pages: Sequence[int],
+    ) -> None:
+        """Layers ``[lo, hi)`` of pages ``a ..`` from L2 into the compact slot ``buf``: per
+        run of consecutive L2 pages one strided DMA of the K slabs and one of the V slabs,
+        on the transfer stream (on CPU the same addresses, copied at once)."""
+        g = self.geometry
+        lo, hi = layers
+        count, size = hi - lo, buf.element_size()
+        slab = g.page_elements * size  # bytes of one layer's K (or V) of a page
+        pitch = 2 * g.num_layers * slab  # bytes of a page in L2
+        dpitch = 2 * count * slab
+        base, out = self.l2.slabs.data_ptr(), buf.data_ptr()
+        # NOTE: the DMAs go by address (L2 is pinned, checked at planning): per-copy checks of
+        # views cost more host time than the copies' enqueue, and the forward launches after it.
+        for first, end in runs:
+            for kv in (0, 1):
+                dst = out + (first - a) * dpitch + kv * count * slab
+                src = base + l2_pages[first] * pitch + (kv * g.num_layers + lo) * slab
+                if self.cuda:
+                    dma.copy_rows_raw(dst, dpitch, src, pitch, count * slab, end - first, self.stream)
+                else:
+                    dma.copy_rows_host(dst, dpitch, src, pitch, count * slab, end - first)
 
     def _load_in_place(self, l2_ids: torch.Tensor, ids: torch.Tensor, layers: tuple[int, int]) -> bool:
         """Layers of fragmented pages straight from L2 (zero-copy); False after a Triton
@@ -889,6 +939,7 @@ class TransferEngine:
             "paths": dict(self.paths),
             "allocation_failures": self.allocation_failures,
             "fences": self.fence_policy,
+            "split_layered": self.split_layered,
             "device": str(self.l1.device),
         }
 

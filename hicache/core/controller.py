@@ -490,6 +490,29 @@ class Controller:
                 self._finish(job)
         return finished
 
+    def settle(self) -> bool:
+        """If every restore in flight is an H2D still copying, block until the first of them
+        (the lowest transfer id: one device stream runs them in order) has landed, and
+        return True; the next :meth:`poll` finishes it. Otherwise return False at once.
+
+        For an engine with nothing else to run: polling a 20 ms copy every 50 us costs the
+        scheduler thread hundreds of polls per restore. A restore still reading storage is
+        never waited for (a hung disk must not wedge the caller), nor is a backup."""
+        self._enter()
+        first: _Job | None = None
+        for job in self._jobs.values():
+            if job.restore is None:
+                continue
+            if job.transfer.direction is not Direction.H2D or job.ticket.ok is not None:
+                return False
+            if first is None or job.transfer.id < first.transfer.id:
+                first = job
+        settle = getattr(first.ticket, "settle", None) if first is not None else None
+        if settle is None:
+            return False
+        settle()
+        return True
+
     def _straggle(self, job: _Job) -> PendingRestore | None:
         """An L3 transfer failed by its deadline while its I/O still runs: the request
         recomputes now; the run keeps the transfer (its pages untouched) until the I/O returns."""

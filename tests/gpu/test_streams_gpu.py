@@ -39,6 +39,13 @@ PATHS = {  # engine keyword arguments per path; "multi": 4 chunks of 2 pages for
     "direct": {"copy_max_pages": 0, "direct_max_bytes": 1 << 30},
     "ring": {"copy_max_pages": 0, "direct_max_bytes": 0, "chunk_bytes": 64 * G.bytes_per_page},
     "multi": {"copy_max_pages": 0, "direct_max_bytes": 0, "chunk_bytes": 2 * G.bytes_per_page, "chunks": 2},
+    "split": {
+        "copy_max_pages": 0,
+        "direct_max_bytes": 0,
+        "chunk_bytes": 2 * G.bytes_per_page,
+        "chunks": 2,
+        "split_layered": True,
+    },
 }
 
 
@@ -66,8 +73,9 @@ def judge(fresh: bool, wait: str | None) -> None:
 
 def slow(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
     """Queue a long kernel on the current stream before each of the engine's DMAs
-    (``what="dma"``) or gathers/scatters (``"kernel"``), so that side runs late."""
-    name = "_dma_runs" if what == "dma" else "_run"
+    (``what="dma"``) or gathers/scatters (``"kernel"``), or a layered H2D's DMAs
+    (``"layer_dma"``) or scatters (``"layer_kernel"``), so that side runs late."""
+    name = {"dma": "_dma_runs", "kernel": "_run", "layer_dma": "_layer_dmas", "layer_kernel": "_scatter_layers"}[what]
     real = getattr(engine, name)
 
     def late(*args: Any) -> None:
@@ -262,3 +270,47 @@ def test_an_aborted_layered_prefills_pages_are_not_overwritten_by_their_next_h2d
     assert ticket.wait()
     torch.cuda.synchronize()
     judge(torch.equal(s.snapshot, old), wait)
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "fragmented"])
+@pytest.mark.parametrize("wait", variants("wait_join", "wait_ready", "wait_free", "wait_done"))
+def test_a_layered_h2d_lands_every_layer_through_both_streams(
+    monkeypatch: pytest.MonkeyPatch, layout: str, wait: str | None
+) -> None:
+    """A layered H2D with ``split_layered`` runs its DMAs on the transfer stream and its
+    scatters (from fragmented L2 pages: zero-copy loads) on the kernel stream. 8 pages through 2 ring slots of 2
+    pages: the 2-layer group takes two units, so the third unit refills slot 0.
+
+    - wait_join (fragmented): the loads start behind the transfer stream, which waits for
+      the caller (held back here) and uploads the page ids the loads read;
+    - wait_ready (consecutive): a scatter waits for its DMAs (the DMAs held back, ring zeroed);
+    - wait_free (consecutive): refilling a slot waits for its scatter (the scatters held back);
+    - wait_done (consecutive): the ticket's event comes after the last scatter (the scatters
+      held back; the pages are read as soon as the ticket says they landed)."""
+    if not dma.AVAILABLE:
+        pytest.skip("the layered H2D needs cuda-python")
+    if wait is not None and (wait == "wait_join") != (layout == "fragmented"):
+        pytest.skip("this wait guards the other layout")
+    s = Scene("triton", "split")
+    events = [torch.cuda.Event() for _ in range(G.num_layers)]  # type: ignore[no-untyped-call]
+    src = list(range(20, 20 + s.pages)) if layout == "consecutive" else list(range(20, 20 + 2 * s.pages, 2))
+    with torch.cuda.stream(s.caller):  # warm the layered path, both streams and both layouts
+        for warm in (list(range(40, 48)), list(range(40, 56, 2))):
+            assert s.engine.h2d(warm, list(range(40, 48)), layer_events=events).wait()
+    assert s.engine._ring is not None
+    s.engine._ring.memory.zero_()
+    torch.cuda.synchronize()
+    if wait == "wait_ready":
+        slow(s.engine, monkeypatch, "layer_dma")
+    elif wait in ("wait_free", "wait_done"):
+        slow(s.engine, monkeypatch, "layer_kernel")
+    drop(monkeypatch, wait)
+    with torch.cuda.stream(s.caller):
+        if wait == "wait_join":
+            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        ticket = s.engine.h2d(src, s.ids(), layer_events=events)
+    assert ticket.wait()
+    got = s.l1.buffer[:, :, s.span].cpu()  # at once: only the ticket's event orders this read
+    torch.cuda.synchronize()
+    assert s.engine.status()["paths"]["layered"] == 3
+    judge(torch.equal(got, s.l2.buffer[:, :, src]), wait)
