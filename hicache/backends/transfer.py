@@ -123,12 +123,15 @@ class DeviceTicket(Ticket):
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         """Block until the copy itself has ended, without running completion work (safe
-        from any thread: an I/O worker may call it before reading pages this wrote)."""
+        from any thread: an I/O worker may call it before reading pages this wrote).
+        Whether there was a copy on the device to wait for."""
         event = self.event
-        if event is not None:
-            event.synchronize()
+        if event is None:
+            return False
+        event.synchronize()
+        return True
 
 
 class _Ring:
@@ -600,6 +603,13 @@ class TransferEngine:
                 if events is not None and path != "layered":
                     for event in {id(e): e for e in events}.values():  # every layer lands with the last page
                         event.record(self.stream)
+            except BaseException:
+                if self._kernel_stream is not None:
+                    # NOTE: a raise part-way leaves kernels queued on the kernel stream that
+                    # read ring slots and page ids; the end event (reused region, slots) must
+                    # come after them, as it does when the transfer completes.
+                    self.stream.wait_stream(self._kernel_stream)
+                raise
             finally:
                 if timer is not None:  # NOTE: always: the id region waits on it before reuse
                     timer[1].record(self.stream)
@@ -693,6 +703,11 @@ class TransferEngine:
     def _wait_free(self, producer: Any, event: Any) -> None:
         """Reusing a ring slot waits until the slot's previous consumer has finished."""
         producer.wait_event(event)
+
+    def _record_layer(self, event: Any, stream: Any) -> None:
+        """A layer group's event, on the stream of that group's last scatter or load (the
+        forward waiting on it must see those layers of every page)."""
+        event.record(stream)
 
     def _wait_done(self, stream: Any, kern: Any) -> None:
         """A layered H2D ends on ``stream`` only after its last scatter, load and record on
@@ -791,7 +806,8 @@ class TransferEngine:
             self._wait_ready(copy, ring.free[k])  # the ticket's event comes after the last scatter
 
     def _on(self, stream: Any) -> Any:
-        return torch.cuda.stream(stream) if self.cuda and stream is not self.stream else contextlib.nullcontext()
+        other = self.cuda and stream is not None and stream is not self.stream
+        return torch.cuda.stream(stream) if other else contextlib.nullcontext()
 
     def _layered_copies(
         self,
@@ -839,7 +855,7 @@ class TransferEngine:
                     if kern is not None:
                         ring.free[k].record(kern)
             for event in {id(e): e for e in events[lo:hi]}.values():
-                event.record(kern if kern is not None else self.stream)
+                self._record_layer(event, kern if kern is not None else self.stream)
         if kern is not None:
             self._wait_done(copy, kern)
 

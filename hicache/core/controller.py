@@ -493,7 +493,8 @@ class Controller:
     def settle(self) -> bool:
         """If every restore in flight is an H2D still copying, block until the first of them
         (the lowest transfer id: one device stream runs them in order) has landed, and
-        return True; the next :meth:`poll` finishes it. Otherwise return False at once.
+        return True; the next :meth:`poll` finishes it. Otherwise (or when its ticket had
+        nothing to wait for) return False at once.
 
         For an engine with nothing else to run: polling a 20 ms copy every 50 us costs the
         scheduler thread hundreds of polls per restore. A restore still reading storage is
@@ -508,10 +509,7 @@ class Controller:
             if first is None or job.transfer.id < first.transfer.id:
                 first = job
         settle = getattr(first.ticket, "settle", None) if first is not None else None
-        if settle is None:
-            return False
-        settle()
-        return True
+        return settle is not None and bool(settle())  # the ticket's settle: whether it waited
 
     def _straggle(self, job: _Job) -> PendingRestore | None:
         """An L3 transfer failed by its deadline while its I/O still runs: the request

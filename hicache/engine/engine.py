@@ -406,7 +406,9 @@ class Engine:
                     # NOTE: only layered restores in flight, each with its forward queued
                     # behind its layers: wait for the GPU instead of polling every 50 us.
                     self.runner.wait_layered()
-                elif not cache.settle():  # every restore a device copy: wait for the first to land
+                elif cache.settle():  # every restore a device copy: it waited for the first to land
+                    self._idle_streak = 0
+                else:
                     time.sleep(self._idle_sleep_s())  # only restores in flight: let the copy engine / disk work
                 self.stats.idle_s_while_restoring += time.perf_counter() - t0
         if not idle:

@@ -25,8 +25,9 @@ class _Settled(TagTicket):
 
     calls: list[_Settled]
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         self.calls.append(self)
+        return True
 
 
 class _SettleDevice(TagDevice):
@@ -159,3 +160,15 @@ def test_settle_on_a_closed_cache_is_misuse() -> None:
     c.close()
     with pytest.raises(MisuseError, match="closed"):
         c.settle()
+
+
+def test_settle_reports_no_wait_when_the_ticket_had_nothing_to_wait_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device ticket whose settle found no copy to wait for (it returns False) makes settle
+    return False, so the engine sleeps instead of spinning on it."""
+    c, _, dev = _make()
+    a = [1, 2, 3, 4]
+    _cached(c, a, Tier.L1)
+    ticket = _restoring(c, a)
+    monkeypatch.setattr(_Settled, "settle", lambda self: self.calls.append(self) and False)
+    assert c.settle() is False
+    assert isinstance(dev, _SettleDevice) and dev.calls == [ticket]

@@ -484,8 +484,8 @@ def test_idle_steps_back_off_while_every_restore_reads_storage(monkeypatch: pyte
 
 
 def test_idle_steps_stay_short_while_a_copy_engine_transfer_is_in_flight() -> None:
-    """A restore whose H2D is in flight (microseconds to milliseconds) is polled every 50 us:
-    no back-off."""
+    """A restore whose H2D is in flight (microseconds to milliseconds), where the cache cannot
+    wait for it (HiCache.settle), is polled every 50 us: no back-off."""
     from hicache.engine import engine as engine_module
 
     e = engine()
@@ -498,4 +498,37 @@ def test_idle_steps_stay_short_while_a_copy_engine_transfer_is_in_flight() -> No
     transfer.direction = Direction.S2H
     assert [e._idle_sleep_s() for _ in range(2)] == [2 * engine_module.IDLE_SLEEP_S, 4 * engine_module.IDLE_SLEEP_S]
     del e._active[1]
+    e.close()
+
+
+@pytest.mark.parametrize("waited", [True, False])
+def test_an_idle_step_waits_for_the_first_restore_copy_instead_of_sleeping(
+    monkeypatch: pytest.MonkeyPatch, waited: bool
+) -> None:
+    """With only a non-layered restore in flight, an idle step asks the cache to wait for the
+    first restore copy (HiCache.settle); only if nothing was waited for does it sleep, and a
+    wait starts the back-off over."""
+    from hicache.engine import engine as engine_module
+
+    e = engine()
+    seq = engine_module._Seq(id=1, prompt=[1, 2, 3], max_new=1, arrived=0.0, state=engine_module.SeqState.RESTORING)
+    seq.restore = type("R", (), {"transfer": type("T", (), {"direction": Direction.S2H})(), "finished": False})()
+    e._active[1] = seq
+    e._idle_streak = 3
+    settles: list[bool] = []
+    sleeps: list[float] = []
+
+    def settle() -> bool:
+        settles.append(waited)
+        return waited
+
+    monkeypatch.setattr(e.cache, "settle", settle)
+    monkeypatch.setattr("hicache.engine.engine.time.sleep", sleeps.append)
+    e.step()
+    assert settles == [waited]
+    assert (sleeps == []) is waited
+    assert e._idle_streak == (0 if waited else 4)
+    assert e.stats.idle_polls == 1
+    del e._active[1]
+    monkeypatch.undo()
     e.close()

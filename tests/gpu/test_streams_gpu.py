@@ -272,45 +272,74 @@ def test_an_aborted_layered_prefills_pages_are_not_overwritten_by_their_next_h2d
     judge(torch.equal(s.snapshot, old), wait)
 
 
-@pytest.mark.parametrize("layout", ["consecutive", "fragmented"])
-@pytest.mark.parametrize("wait", variants("wait_join", "wait_ready", "wait_free", "wait_done"))
-def test_a_layered_h2d_lands_every_layer_through_both_streams(
-    monkeypatch: pytest.MonkeyPatch, layout: str, wait: str | None
+LAYERED_SCENES = [  # (scene, L2 layout, the waits it shows needed)
+    ("late-caller", "fragmented", ("wait_join",)),
+    ("late-dma", "consecutive", ("wait_ready",)),
+    ("late-scatter", "consecutive", ("wait_free", "wait_done", "record_layer")),
+]
+
+
+@pytest.mark.parametrize(
+    ("scene", "layout", "wait"),
+    [
+        pytest.param(scene, layout, w, id=f"{scene}-{p.id}", marks=p.marks)
+        for scene, layout, waits in LAYERED_SCENES
+        for p in variants(*waits)
+        for w in p.values
+    ],
+)
+def test_a_split_layered_h2d_lands_every_layer_through_both_streams(
+    monkeypatch: pytest.MonkeyPatch, scene: str, layout: str, wait: str | None
 ) -> None:
     """A layered H2D with ``split_layered`` runs its DMAs on the transfer stream and its
-    scatters (from fragmented L2 pages: zero-copy loads) on the kernel stream. 8 pages through 2 ring slots of 2
-    pages: the 2-layer group takes two units, so the third unit refills slot 0.
+    scatters (from fragmented L2 pages: zero-copy loads) and layer events on the kernel
+    stream. 8 pages through 2 ring slots of 2 pages: the 2-layer group takes two units, so
+    the third unit refills slot 0. Each scene holds one side back, with every wait in place
+    and with each wait it relies on removed:
 
-    - wait_join (fragmented): the loads start behind the transfer stream, which waits for
-      the caller (held back here) and uploads the page ids the loads read;
-    - wait_ready (consecutive): a scatter waits for its DMAs (the DMAs held back, ring zeroed);
-    - wait_free (consecutive): refilling a slot waits for its scatter (the scatters held back);
-    - wait_done (consecutive): the ticket's event comes after the last scatter (the scatters
-      held back; the pages are read as soon as the ticket says they landed)."""
+    - late-caller (fragmented): the caller is slow; the loads start behind the transfer
+      stream, which waits for the caller and uploads the page ids the loads read (wait_join);
+    - late-dma: each unit's DMAs are held back (ring zeroed); a scatter waits for them
+      (wait_ready);
+    - late-scatter: each scatter is held back; refilling a slot waits for its scatter
+      (wait_free), the ticket's event comes after the last one (wait_done: the pages are read
+      as soon as the ticket says they landed), and a forward on another stream that waits on
+      layer l's event reads layer l of every page landed (record_layer)."""
     if not dma.AVAILABLE:
         pytest.skip("the layered H2D needs cuda-python")
-    if wait is not None and (wait == "wait_join") != (layout == "fragmented"):
-        pytest.skip("this wait guards the other layout")
     s = Scene("triton", "split")
-    events = [torch.cuda.Event() for _ in range(G.num_layers)]  # type: ignore[no-untyped-call]
+    layers = G.num_layers
+    events = [torch.cuda.Event() for _ in range(layers)]  # type: ignore[no-untyped-call]
     src = list(range(20, 20 + s.pages)) if layout == "consecutive" else list(range(20, 20 + 2 * s.pages, 2))
+    forward: Any = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    seen = torch.empty_like(s.l1.buffer[:, :, s.span])
     with torch.cuda.stream(s.caller):  # warm the layered path, both streams and both layouts
         for warm in (list(range(40, 48)), list(range(40, 56, 2))):
             assert s.engine.h2d(warm, list(range(40, 48)), layer_events=events).wait()
+    with torch.cuda.stream(forward):
+        seen.copy_(s.l1.buffer[:, :, s.span])
     assert s.engine._ring is not None
     s.engine._ring.memory.zero_()
     torch.cuda.synchronize()
-    if wait == "wait_ready":
+    if scene == "late-dma":
         slow(s.engine, monkeypatch, "layer_dma")
-    elif wait in ("wait_free", "wait_done"):
+    elif scene == "late-scatter":
         slow(s.engine, monkeypatch, "layer_kernel")
     drop(monkeypatch, wait)
     with torch.cuda.stream(s.caller):
-        if wait == "wait_join":
+        if scene == "late-caller":
             torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
         ticket = s.engine.h2d(src, s.ids(), layer_events=events)
+    with torch.cuda.stream(forward):  # a layered forward: layer l after its event only
+        for layer in range(layers):
+            forward.wait_event(events[layer])
+            seen[:, layer].copy_(s.l1.buffer[:, layer, s.span])
     assert ticket.wait()
     got = s.l1.buffer[:, :, s.span].cpu()  # at once: only the ticket's event orders this read
     torch.cuda.synchronize()
     assert s.engine.status()["paths"]["layered"] == 3
-    judge(torch.equal(got, s.l2.buffer[:, :, src]), wait)
+    want = s.l2.buffer[:, :, src]
+    if wait == "record_layer":
+        judge(torch.equal(seen.cpu(), want), wait)
+    else:
+        judge(torch.equal(got, want) and torch.equal(seen.cpu(), want), wait)
