@@ -32,6 +32,25 @@ from hicache.core.metrics import Metrics
 from hicache.core.status import ControllerStatus
 from hicache.errors import ConfigError
 
+# Storage I/O threads: each is a blocking reader or writer; more than this only adds threads
+# (a typo such as 10**9 would otherwise try to start them all).
+MAX_STORAGE_WORKERS = 256
+
+
+_STORE_MEMBERS = ("kind", "keyed", "shared", "remote", "plan", "put", "get", "exists", "available", "close", "status")
+
+
+def _custom_store(store: Callable[[HostPool], PageStore], l2: HostPool) -> PageStore:
+    """``store(l2)``, checked to be a :class:`PageStore` (its members present), or ConfigError."""
+    try:
+        custom = store(l2)
+    except Exception as exc:
+        raise ConfigError(f"store(l2) raised {exc!r}") from exc
+    missing = [m for m in _STORE_MEMBERS if not hasattr(custom, m)]
+    if missing:
+        raise ConfigError(f"store(l2) must return a PageStore; {type(custom).__name__} lacks {', '.join(missing)}")
+    return custom
+
 
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,7 +88,7 @@ class HiCacheConfig:
         TierSizes(self.l1_pages, self.l2_pages, self.l3_pages)  # validates the sizes
         if self.l3_pages and not self.l2_pages:
             raise ConfigError("L3 needs L2 (pages reach the file through host memory): set l2_pages")
-        if self.policy not in {k.value for k in Policy}:
+        if not isinstance(self.policy, str) or self.policy not in {k.value for k in Policy}:
             raise ConfigError(f"policy must be one of {[k.value for k in Policy]}, got {self.policy!r}")
         parse_write_policy(self.write_policy)
         check_selective_hits(self.selective_hits)
@@ -77,11 +96,13 @@ class HiCacheConfig:
             raise ConfigError(f"transfer_backend must be auto, triton or torch, got {self.transfer_backend!r}")
         if isinstance(self.storage_workers, bool) or not isinstance(self.storage_workers, int):
             raise ConfigError(f"storage_workers must be an int >= 1, got {self.storage_workers!r}")
-        if self.storage_workers < 1:
-            raise ConfigError(f"storage_workers must be an int >= 1, got {self.storage_workers!r}")
+        if not 1 <= self.storage_workers <= MAX_STORAGE_WORKERS:
+            raise ConfigError(
+                f"storage_workers must be an int in [1, {MAX_STORAGE_WORKERS}], got {self.storage_workers!r}"
+            )
         if self.storage_path is not None and not isinstance(self.storage_path, (str, os.PathLike)):
             raise ConfigError(f"storage_path must be a path or None, got {self.storage_path!r}")
-        if self.storage_backend not in STORE_KINDS:
+        if not isinstance(self.storage_backend, str) or self.storage_backend not in STORE_KINDS:
             raise ConfigError(f"storage_backend must be one of {list(STORE_KINDS)}, got {self.storage_backend!r}")
         if self.storage_extra is not None and not isinstance(self.storage_extra, Mapping):
             raise ConfigError(f"storage_extra must be a mapping or None, got {self.storage_extra!r}")
@@ -159,14 +180,16 @@ class HiCache:
                 if l1_buffer is not None
                 else DevicePool.allocate(g, config.l1_pages, config.device)
             )
-            self.l2 = HostPool(g, max(1, config.l2_pages))
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            pages = f"{config.l1_pages}/{config.l2_pages} pages"
-            raise ConfigError(f"cannot allocate the L1/L2 pools ({pages}): {exc}") from exc
+            raise ConfigError(f"cannot allocate the L1 pool of {config.l1_pages} pages (l1_pages): {exc}") from exc
+        try:
+            self.l2 = HostPool(g, max(1, config.l2_pages))
+        except (RuntimeError, MemoryError) as exc:
+            raise ConfigError(f"cannot allocate the L2 pool of {config.l2_pages} pages (l2_pages): {exc}") from exc
         self.device = TransferEngine(self.l1, self.l2, config.transfer_backend, faults=self.faults)
         storage: StoreMover | None = None
         if config.l3_pages and store is not None:
-            custom = store(self.l2)
+            custom = _custom_store(store, self.l2)
             if custom.keyed and not config.model_id:
                 raise ConfigError("a keyed store names pages by content: set config.model_id")
             storage = StoreMover(

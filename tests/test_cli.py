@@ -314,3 +314,11 @@ def test_enable_metrics_serves_the_cache_metrics_while_running(
     families = {f.name: f for f in text_string_to_metric_families(text)}
     recomputed = families["hicache_recomputed_tokens"]
     assert recomputed.type == "counter" and recomputed.samples[0].value > 0  # the workload's prefills
+
+
+def test_an_l1_pool_too_large_to_allocate_is_a_flag_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """--num-pages beyond the machine's memory: one line naming the flag, exit 2."""
+    code, out, err = run_main(["--num-pages", "99999999999999"], capsys)
+    lines = [ln for ln in err.splitlines() if not ln.startswith("warning: ")]
+    assert code == 2 and out == "" and len(lines) == 1
+    assert lines[0].startswith("error: --num-pages 99999999999999: cannot allocate the L1 pool of 99999999999999 pages")

@@ -22,12 +22,15 @@ class Fault:
 class FaultInjector:
     """A thread-safe queue of faults consumed by the next matching operations.
 
-    Storage operations understand every kind: ``eio``/``enospc`` raise that OSError,
-    ``short`` makes the syscall move half the bytes (the caller must loop), ``eof`` makes it
-    move none (a read past the end), ``corrupt`` flips one byte of the page data, ``slow``
-    sleeps ``delay_s`` first, ``hang`` blocks the operation until :meth:`release` (or for
-    ``delay_s``, else an hour) and then lets it proceed. Device transfers understand ``fail``
-    (the copy ran but the ticket reports failure) and ``slow``.
+    The ``file`` store understands every storage kind: ``eio``/``enospc`` raise that
+    OSError, ``short`` makes the syscall move half the bytes (the caller must loop), ``eof``
+    makes it move none (a read past the end), ``corrupt`` flips one byte of the page data,
+    ``slow`` sleeps ``delay_s`` first, ``hang`` blocks the operation until :meth:`release`
+    (or for ``delay_s``, else an hour) and then lets it proceed. The ``dir`` store reads and
+    writes whole files, so it takes ``eio``, ``enospc``, ``corrupt``, ``slow`` and ``hang``
+    only (``dir.DIR_FAULTS``); a fault of another kind stays queued for an operation that
+    takes it. Device transfers understand ``fail`` (the copy ran but the ticket reports
+    failure) and ``slow``.
     """
 
     def __init__(self) -> None:

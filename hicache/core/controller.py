@@ -244,7 +244,13 @@ class Controller:
         if match.l1.length:
             req.lease = self.core.lock(match.l1)
             req.pages = self.core.pages_l1(match.l1)
-        self._discover(req)
+        try:
+            self._discover(req)
+        except BaseException:
+            # NOTE: a refusal (tokens a keyed store cannot name) leaves nothing pinned.
+            if req.lease is not None:
+                self.core.release(req.lease)
+            raise
         self._requests[req.id] = req
         self.metrics.hit_tokens["L1"] += match.l1.length
         if match.l1.length and self.write_policy is WritePolicy.SELECTIVE:

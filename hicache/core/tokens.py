@@ -10,7 +10,9 @@ from hicache.errors import MisuseError
 
 
 def as_tokens(tokens: object) -> tuple[int, ...]:
-    """A non-empty 1-D sequence of ints (tuple, list, integer tensor or array) as a tuple."""
+    """A non-empty 1-D sequence of ints (tuple, list, integer tensor or array) as a tuple.
+    Bools in a sequence count as the ints 0 and 1, as everywhere in Python (a per-token type
+    check would cost a pass over every prompt); a bool tensor is refused."""
     if isinstance(tokens, tuple):
         out = tokens
     elif isinstance(tokens, torch.Tensor):

@@ -51,7 +51,7 @@ from hicache.engine.model import (
     model_geometry,
     model_identity,
 )
-from hicache.errors import ConfigError, HiCacheError, IntegrityError
+from hicache.errors import ConfigError, HiCacheError, IntegrityError, MisuseError
 from hicache.facade import HiCache, HiCacheConfig, _default_device
 from hicache.spec.model import Direction, Tier
 
@@ -150,6 +150,16 @@ class EngineStats:
     cache_s: float = 0.0  # in hicache calls (bookkeeping; excludes blocking restore waits)
 
 
+def _check_rid(call: str, rid: object) -> None:
+    if isinstance(rid, bool) or not isinstance(rid, int):
+        raise MisuseError(f"{call}: a request id is the int submit() returned, got {rid!r}")
+
+
+def _check_seed(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ConfigError(f"seed must be an int in [0, 2**63), got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's settings. ``cache`` fixes the KV layout (its geometry must be the
@@ -175,6 +185,12 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        for name, optional in (("prefetch", False), ("cuda_graphs", False), ("layered_restore", True),
+                               ("graph_short_prefills", True)):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (optional and value is None):
+                raise ConfigError(f"{name} must be a bool{' or None' if optional else ''}, got {value!r}")
+        _check_seed(self.seed)
         if self.layered_restore and self.enabled and not self.prefetch:
             raise ConfigError("layered_restore needs prefetch (a blocking restore has no forward to overlap)")
 
@@ -209,8 +225,11 @@ class EngineConfig:
     ) -> EngineConfig:
         """A config from keyword settings (the cache's geometry taken from ``model``;
         ``engine`` holds the other fields of :class:`EngineConfig`)."""
+        if not isinstance(enable_hicache, bool):
+            raise ConfigError(f"enable_hicache must be a bool, got {enable_hicache!r}")
         if enable_hicache and not l2_pages:
             raise ConfigError("enable_hicache needs l2_pages > 0")
+        _check_seed(engine.get("seed", 0))
         unknown = set(engine) - {f.name for f in dataclasses.fields(cls)} | ({"cache", "model"} & set(engine))
         if unknown:
             raise ConfigError(f"unknown engine settings {sorted(unknown)}")
@@ -282,6 +301,7 @@ class Engine:
         self._waiting: deque[_Seq] = deque()
         self._active: dict[int, _Seq] = {}  # restoring, ready or decoding, in arrival order
         self._finished: list[Output] = []
+        self._carried: list[Output] = []  # others' outputs seen by generate(), for the next step()/run()
         self.prefills_before_decode = config.prefills_before_decode
         self._prefills_in_row = 0
         self._idle_streak = 0  # idle steps in a row while every restore reads storage
@@ -293,6 +313,7 @@ class Engine:
         """Queue a request; returns its id. Served by :meth:`step`. Raises MisuseError for a
         prompt that is empty or not ints, ConfigError for tokens outside the vocabulary, a bad
         ``max_new_tokens``, or a request the L1 pool can never hold."""
+        self._check_open()
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         toks = as_tokens(prompt)  # one C-level pass; raises MisuseError naming a bad token
@@ -315,6 +336,8 @@ class Engine:
         """Abort a request wherever it is (queued, restoring, decoding). Its pages and pins go
         back at once; a restore in flight completes in the background into the tree. False if
         the request is not known (finished or never submitted)."""
+        self._check_open()
+        _check_rid("abort", rid)
         seq = self._active.pop(rid, None)
         if seq is None:
             seq = next((s for s in self._waiting if s.id == rid), None)
@@ -325,6 +348,10 @@ class Engine:
         self.stats.aborted += 1
         self._emit(seq, error="aborted")
         return True
+
+    def _check_open(self) -> None:
+        if self.cache.closed:
+            raise MisuseError("this Engine is closed")
 
     def _drop(self, seq: _Seq) -> None:
         """Give back everything ``seq`` holds in the cache."""
@@ -348,6 +375,7 @@ class Engine:
 
     def state_of(self, rid: int) -> SeqState | None:
         """Where request ``rid`` is in the loop; None once finished (or never submitted)."""
+        _check_rid("state_of", rid)
         seq = self._active.get(rid)
         if seq is not None:
             return seq.state
@@ -363,6 +391,7 @@ class Engine:
 
         A request that cannot be served (a cache refusal, no room at all, out of device
         memory in its forward) finishes with ``error`` set; the step goes on."""
+        self._check_open()
         cache = self.cache
         t0 = time.perf_counter()
         finished = cache.poll()
@@ -413,7 +442,8 @@ class Engine:
                 self.stats.idle_s_while_restoring += time.perf_counter() - t0
         if not idle:
             self._idle_streak = 0
-        done, self._finished = self._finished, []
+        done, self._finished = self._carried + self._finished, []
+        self._carried = []
         return done
 
     def _idle_sleep_s(self) -> float:
@@ -445,21 +475,25 @@ class Engine:
 
     def run(self) -> list[Output]:
         """Step until every submitted request has finished; outputs in completion order."""
-        outs: list[Output] = []
+        self._check_open()
+        outs, self._carried = self._carried, []
         while self.pending:
             outs.extend(self.step())
         return outs
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1) -> Output:
-        """Serve one request to completion (other queued requests are served alongside);
-        raises :class:`RequestFailed` if it could not be served."""
+        """Serve one request to completion (other queued requests are served alongside:
+        their outputs come from the next :meth:`step` or :meth:`run`); raises
+        :class:`RequestFailed` if it could not be served."""
         rid = self.submit(prompt, max_new_tokens)
         while True:
-            for out in self.step():
-                if out.id == rid:
-                    if out.error is not None:
-                        raise RequestFailed(f"request {rid}: {out.error}")
-                    return out
+            outs = self.step()
+            mine = next((out for out in outs if out.id == rid), None)
+            self._carried.extend(out for out in outs if out.id != rid)
+            if mine is not None:
+                if mine.error is not None:
+                    raise RequestFailed(f"request {rid}: {mine.error}")
+                return mine
 
     # -- scheduling --------------------------------------------------------------------------
 

@@ -1,0 +1,78 @@
+"""The engine's settings and calls refuse bad values with typed errors, a closed engine
+refuses work, and generate() loses no other request's output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hicache.engine import Engine
+from hicache.errors import ConfigError, MisuseError
+from tests.engine.test_engine import engine
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("seed", ["x", 1.5, True, -1, 2**63, None])
+def test_a_bad_seed_is_a_config_error(seed: Any) -> None:
+    """The seed must be an int in [0, 2**63): anything else is a ConfigError naming it."""
+    with pytest.raises(ConfigError, match=r"^seed must be an int in \[0, 2\*\*63\), got "):
+        Engine("tiny", device="cpu", page_size=4, num_pages=16, seed=seed)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("prefetch", "no"),
+        ("cuda_graphs", None),
+        ("layered_restore", "yes"),
+        ("graph_short_prefills", 3),
+        ("enable_hicache", "yes"),
+    ],
+)
+def test_a_switch_that_is_not_a_bool_is_a_config_error(name: str, value: Any) -> None:
+    """On/off settings take bools (None where it means "decide for me"): "no" is not off."""
+    with pytest.raises(ConfigError, match=rf"^{name} must be a bool"):
+        Engine("tiny", device="cpu", page_size=4, num_pages=16, **{name: value})
+
+
+def test_a_closed_engine_refuses_every_call() -> None:
+    """After close(), submit, abort, state_of's neighbours step/run/generate raise MisuseError
+    and nothing is queued."""
+    e = engine()
+    e.close()
+    for call in (lambda: e.submit([1, 2, 3], 1), lambda: e.abort(1), e.step, e.run, lambda: e.generate([1, 2], 1)):
+        with pytest.raises(MisuseError, match="this Engine is closed"):
+            call()
+    assert e.pending == 0
+    e.close()  # twice is fine
+
+
+@pytest.mark.parametrize("rid", [True, 1.0, [1], "1", None])
+def test_a_request_id_must_be_an_int(rid: Any) -> None:
+    """abort and state_of take the int submit() returned; a bool, float or list is refused
+    (True would otherwise abort request 1) and nothing is aborted."""
+    e = engine()
+    first = e.submit([1, 2, 3], 1)
+    assert first == 1
+    with pytest.raises(MisuseError, match=r"^abort: a request id is the int submit\(\) returned"):
+        e.abort(rid)
+    with pytest.raises(MisuseError, match=r"^state_of: a request id is the int submit\(\) returned"):
+        e.state_of(rid)
+    assert e.pending == 1 and e.stats.aborted == 0
+    e.run()
+    e.close()
+
+
+def test_generate_keeps_the_other_requests_outputs_for_the_next_run() -> None:
+    """generate() serves its request; another request finished alongside is not lost: the
+    next run() (or step()) returns it."""
+    e = engine()
+    a = e.submit([1, 2, 3, 4, 5], 2)
+    mine = e.generate([9, 8, 7], 1)
+    rest = e.run()
+    assert mine.id != a
+    assert [o.id for o in rest] == [a]
+    assert e.run() == []
+    e.close()

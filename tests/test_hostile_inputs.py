@@ -1,0 +1,78 @@
+"""Bad inputs a user can hand the public API (facade, engine) and what they must get back: a
+typed error raised before anything changed, never an untyped exception or silent acceptance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache import HiCache, HiCacheConfig
+from hicache.core.geometry import KVGeometry
+from hicache.errors import ConfigError, MisuseError
+
+G = KVGeometry(2, 1, 4, 4, torch.float32)
+
+
+def _serve(cache: HiCache, prompt: list[int]) -> None:
+    req = cache.admit(prompt)
+    pages = cache.allocate(req, -(-len(prompt) // G.page_size) - req.cached_len // G.page_size)
+    assert pages is not None
+    cache.insert(req, pages[: len(prompt) // G.page_size - req.cached_len // G.page_size])
+    cache.release(req)
+    cache.drain()
+
+
+def test_admit_refused_by_a_keyed_store_leaves_nothing_pinned(tmp_path: Path) -> None:
+    """Tokens a content-keyed store cannot name (outside int64) are refused at admit after
+    the L1 hit was matched: the pin taken on that hit is given back, the cache stays whole."""
+    cfg = HiCacheConfig(
+        G, l1_pages=8, l2_pages=16, l3_pages=32, device="cpu", policy="always", transfer_backend="torch",
+        storage_backend="dir", storage_path=str(tmp_path / "l3"), model_id="m",
+    )  # fmt: skip
+    with HiCache(cfg) as cache:
+        _serve(cache, [1, 2, 3, 4])
+        before = cache.status()
+        with pytest.raises(MisuseError, match="int64"):
+            cache.admit([1, 2, 3, 4] + [10**30] * 8)
+        after = cache.status()
+        l1_before, l1_after = before.core.tiers[0], after.core.tiers[0]
+        assert l1_after.protected == l1_before.protected == 0
+        assert after.core.leases == before.core.leases == 0
+        cache.check_integrity()
+
+
+@pytest.mark.parametrize("policy", [["always"], {}, ("always",)])
+def test_an_unhashable_policy_is_a_config_error(policy: object) -> None:
+    """A policy that is not one of the names, even an unhashable one, is a ConfigError."""
+    with pytest.raises(ConfigError, match="policy"):
+        HiCacheConfig(G, l1_pages=8, l2_pages=8, device="cpu", policy=policy)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", [["dir"], {}])
+def test_an_unhashable_storage_backend_is_a_config_error(backend: object) -> None:
+    """A storage backend that is not one of the names, even an unhashable one: ConfigError."""
+    with pytest.raises(ConfigError, match="storage_backend"):
+        HiCacheConfig(G, l1_pages=8, l2_pages=8, device="cpu", storage_backend=backend)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("workers", [0, 257, 10**9])
+def test_storage_workers_out_of_range_is_a_config_error(workers: int) -> None:
+    """Storage worker threads are bounded: 0 or an absurd count is a ConfigError at once."""
+    with pytest.raises(ConfigError, match="storage_workers"):
+        HiCacheConfig(G, l1_pages=8, l2_pages=8, device="cpu", storage_workers=workers)
+
+
+def test_a_store_factory_that_does_not_return_a_page_store_is_a_config_error() -> None:
+    """``HiCache(config, store=...)``: a factory returning something else, or raising, is a
+    ConfigError that names what is wrong."""
+    cfg = HiCacheConfig(G, l1_pages=8, l2_pages=8, l3_pages=8, device="cpu", transfer_backend="torch")
+    with pytest.raises(ConfigError, match=r"must return a PageStore; int lacks kind, keyed"):
+        HiCache(cfg, store=lambda l2: 3)  # type: ignore[arg-type,return-value]
+
+    def broken(l2: object) -> object:
+        raise OSError("no such device")
+
+    with pytest.raises(ConfigError, match="no such device"):
+        HiCache(cfg, store=broken)  # type: ignore[arg-type]
