@@ -259,6 +259,20 @@ def catalogue() -> list[BadInput]:
         ),
         BadInput(
             "config",
+            "storage_workers = 10**9 (no thread is started)",
+            lambda: HiCacheConfig(G, l1_pages=4, l2_pages=4, l3_pages=4, storage_workers=10**9),
+            ConfigError,
+            "1000000000",
+        ),
+        BadInput(
+            "names",
+            "a policy that is a list",
+            lambda: HiCacheConfig(G, l1_pages=4, policy=["always"]),  # type: ignore[arg-type]
+            ConfigError,
+            "['always']",
+        ),
+        BadInput(
+            "config",
             "selective_hits = 0",
             lambda: HiCacheConfig(G, l1_pages=4, selective_hits=0),
             ConfigError,
