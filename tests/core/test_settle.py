@@ -16,8 +16,7 @@ from hicache.core.geometry import TierSizes
 from hicache.errors import MisuseError
 from hicache.spec.model import Direction, Tier
 from hicache.testing.tag_movers import TagDevice, TagFabric, TagStorage, TagTicket
-
-PS = 2
+from tests.core.test_seed26_controller import PS, _cached
 
 
 class _Settled(TagTicket):
@@ -65,17 +64,6 @@ def _make(device: type[TagDevice] = _SettleDevice) -> tuple[Controller, TagFabri
     core = CacheCore(PS, sizes)
     store = _SettleStorage(fabric, dev.calls if isinstance(dev, _SettleDevice) else [])
     return Controller(core, dev, store, CostModel(1, CostPriors(), "always")), fabric, dev
-
-
-def _cached(c: Controller, tokens: list[int], *drop: Tier) -> None:
-    req = c.admit(tokens)
-    pages = c.allocate(req, len(tokens) // PS)
-    assert pages is not None
-    c.insert(req, pages)
-    c.release(req)
-    c.drain()
-    for tier in drop:
-        c.core.evict(tier, 10**6)
 
 
 def _restoring(c: Controller, tokens: list[int]) -> TagTicket:
