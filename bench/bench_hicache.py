@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import CallTimer, PageCheck, add_out_args, device_name, engine_settings, write_results
+from common import (
+    CallTimer,
+    PageCheck,
+    add_out_args,
+    at_least,
+    device_name,
+    engine_settings,
+    guarded,
+    write_results,
+)
 from plots import plot_latency
 from tqdm import tqdm
 
@@ -193,11 +202,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = ArgParser("python bench/bench_hicache.py", __doc__)
     add_engine_args(ap)
     b = ap.add_argument_group("benchmark")
-    b.add_argument("--prefix-tokens", type=int, nargs="+", default=[350, 1000, 2000, 3500], help="prefix lengths")
+    b.add_argument(
+        "--prefix-tokens", type=at_least(1), nargs="+", default=[350, 1000, 2000, 3500], help="prefix lengths"
+    )
     b.add_argument("--suffix-tokens", type=int, default=8, help="tokens after the prefix")
     b.add_argument("--max-new-tokens", type=int, default=1, help="tokens generated per request")
-    b.add_argument("--iterations", type=int, default=8, help="timed requests per prefix length and tier")
-    b.add_argument("--warmup", type=int, default=2, help="untimed alternations first")
+    b.add_argument("--iterations", type=at_least(1), default=8, help="timed requests per prefix length and tier")
+    b.add_argument("--warmup", type=at_least(0), default=2, help="untimed alternations first")
     b.add_argument(
         "--tiers", nargs="+", choices=["none", "l2", "l3"], default=["none", "l2", "l3"], help="none: recompute"
     )
@@ -285,4 +296,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

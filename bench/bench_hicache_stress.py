@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import PageCheck, add_out_args, device_name, engine_settings, write_results
+from common import PageCheck, add_out_args, at_least, device_name, engine_settings, guarded, write_results
 from plots import plot_stress
 from tqdm import tqdm
 
@@ -180,10 +180,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = ArgParser("python bench/bench_hicache_stress.py", __doc__)
     add_engine_args(ap)
     b = ap.add_argument_group("benchmark")
-    b.add_argument("--prefixes", type=int, default=8, help="prefixes in rotation (at most 8)")
-    b.add_argument("--prefix-tokens", type=int, default=350, help="tokens per prefix")
+    b.add_argument(
+        "--prefixes", type=at_least(1), default=8, choices=range(1, 9), metavar="{1..8}", help="prefixes in rotation"
+    )
+    b.add_argument("--prefix-tokens", type=at_least(1), default=350, help="tokens per prefix")
     b.add_argument("--suffix-tokens", type=int, default=8, help="tokens after the prefix")
-    b.add_argument("--requests", type=int, default=80, help="timed requests per configuration")
+    b.add_argument("--requests", type=at_least(1), default=80, help="timed requests per configuration")
     b.add_argument("--l1-prefixes", type=int, default=3, help="prefixes L1 holds")
     b.add_argument("--warmup-rotations", type=int, default=2, help="untimed rotations first (>= 1)")
     b.add_argument(
@@ -229,23 +231,25 @@ def run(args: argparse.Namespace, dtype: torch.dtype) -> list[dict[str, Any]]:
             where = {"disk": args.disk_dir, "pagecache": shm}.get(storage)
             args.disable_hicache_prefetch = not prefetch
             args.hicache_layered_restore = layered if prefetch else "off"  # a blocking restore is whole
-            engine = make_engine(net, args, cfg, where, decoders)
-            settings = settings or engine_settings(engine)
-            desc = f"{tier} {storage} {policy}" if variant == "rotation" else variant
-            if args.repeats > 1:
-                desc += f" ({round_ + 1}/{args.repeats})"
-            runs[j].append(rotate(engine, args, prefixes, decoders, desc))
-            last = runs[j][-1]  # a line per finished run: a later hang or timeout keeps them in the log
-            ov = last["overlap_fraction"]
-            print(
-                f"ran {desc}: {last['req_per_s']:.1f} req/s, TTFT median {last['ttft_ms_median']:.1f} ms, "
-                f"served {last['served_from']}, overlap {'-' if ov is None else f'{ov:.0%}'}, "
-                f"page mismatches {last['page_mismatches']}",
-                flush=True,
-            )
-            engine.close()
-            if where is not None:
-                Path(where, f".hicache-bench-{os.getpid()}.l3").unlink(missing_ok=True)
+            try:  # NOTE: the L3 file goes on any exit (in /dev/shm it holds RAM)
+                engine = make_engine(net, args, cfg, where, decoders)
+                settings = settings or engine_settings(engine)
+                desc = f"{tier} {storage} {policy}" if variant == "rotation" else variant
+                if args.repeats > 1:
+                    desc += f" ({round_ + 1}/{args.repeats})"
+                runs[j].append(rotate(engine, args, prefixes, decoders, desc))
+                last = runs[j][-1]  # a line per finished run: a later hang or timeout keeps them in the log
+                ov = last["overlap_fraction"]
+                print(
+                    f"ran {desc}: {last['req_per_s']:.1f} req/s, TTFT median {last['ttft_ms_median']:.1f} ms, "
+                    f"served {last['served_from']}, overlap {'-' if ov is None else f'{ov:.0%}'}, "
+                    f"page mismatches {last['page_mismatches']}",
+                    flush=True,
+                )
+                engine.close()
+            finally:
+                if where is not None:
+                    Path(where, f".hicache-bench-{os.getpid()}.l3").unlink(missing_ok=True)
     args.disable_hicache_prefetch, args.hicache_layered_restore = False, layered
     rows: list[dict[str, Any]] = []
     for (variant, (tier, storage, policy), _, _), results in zip(jobs, runs, strict=True):
@@ -357,4 +361,4 @@ def run(args: argparse.Namespace, dtype: torch.dtype) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

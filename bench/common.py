@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -30,8 +31,74 @@ def default_out() -> Path:
     return Path(os.environ.get("HICACHE_BENCH_OUT", "/tmp/hicache-bench"))
 
 
+def out_dir(text: str) -> Path:
+    """An ``--out`` directory, created now: a path that cannot be one is a flag error before
+    any setup or model build, not a traceback at the end of the run."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot create the directory ({exc.strerror})") from None
+    if not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError("the directory is not writable")
+    return path
+
+
+def existing_dir(text: str) -> Path:
+    """A directory that must already exist and be writable (the disk a benchmark measures)."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError("not an existing directory")
+    if not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError("the directory is not writable")
+    return path
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low`` (counts and sizes; 0 or -1 would end in a
+    ZeroDivisionError or an empty statistic long after the flag was read)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError("not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError("must be a positive number")
+    return value
+
+
+def guarded(main: Callable[[], object]) -> None:
+    """Run a benchmark's ``main``: Ctrl-C ends it with "interrupted" (exit 130) and a
+    hicache refusal or an OS error with one ``error:`` line (exit 2), not a traceback."""
+    from hicache.errors import HiCacheError
+
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except (HiCacheError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
+
+
 def add_out_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", type=Path, default=default_out(), help="directory for the JSON and PNG")
+    ap.add_argument("--out", type=out_dir, default=default_out(), help="directory for the JSON and PNG")
     ap.add_argument("--tag", default=None, help="file name suffix (default: the device, e.g. h200 or cpu)")
 
 

@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from common import add_out_args, write_results
+from common import add_out_args, at_least, guarded, write_results
 from tqdm import tqdm
 
 from hicache.core import CacheCore, TierSizes
@@ -99,8 +99,8 @@ def measure(page_size: int, nodes: int, seed: int = 0, reps: int = 200) -> dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nodes", type=int, nargs="+", default=[1000, 3000, 10000], help="tree sizes")
-    ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16], help="tokens per page")
+    ap.add_argument("--nodes", type=at_least(1), nargs="+", default=[1000, 3000, 10000], help="tree sizes")
+    ap.add_argument("--page-sizes", type=at_least(1), nargs="+", default=[1, 16], help="tokens per page")
     add_out_args(ap)
     args = ap.parse_args()
     rows = [measure(ps, n) for ps in args.page_sizes for n in args.nodes]
@@ -136,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

@@ -30,6 +30,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Literal
 
+from common import at_least, guarded, out_dir
 from tqdm import tqdm
 
 from hicache.errors import ConfigError, MisuseError
@@ -466,8 +467,8 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     d_w, d_f, d_c = Workload(), Fleet(), Costs()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--instances", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--requests", type=int, default=d_w.requests)
+    ap.add_argument("--instances", type=at_least(1), nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--requests", type=at_least(1), default=d_w.requests)
     ap.add_argument("--seed", type=int, default=d_w.seed)
     ap.add_argument("--system-prompts", type=int, default=d_w.system_prompts)
     ap.add_argument("--system-zipf", type=float, default=d_w.system_zipf)
@@ -489,10 +490,10 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ("bytes_per_token", "page_tokens"):
             ap.add_argument(f"--{name.replace('_', '-')}", type=float, default=value)
     ap.add_argument("--bytes-per-token", type=int, default=d_c.bytes_per_token)
-    ap.add_argument("--page-tokens", type=int, default=d_c.page_tokens)
+    ap.add_argument("--page-tokens", type=at_least(1), default=d_c.page_tokens)
     ap.add_argument("--quick", action="store_true", help="a small run for tests (seconds)")
     default_out = Path(os.environ.get("HICACHE_BENCH_OUT", "/tmp/hicache-bench"))
-    ap.add_argument("--out", type=Path, default=default_out)
+    ap.add_argument("--out", type=out_dir, default=default_out)
     ap.add_argument("--tag", default=None, help="file name tag (default: quick or sim)")
     args = ap.parse_args(argv)
     if args.quick:  # a smaller world: ~15x fewer requests, conversations and tier sizes
@@ -532,4 +533,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    guarded(main)

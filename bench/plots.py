@@ -5,8 +5,8 @@ python bench/plots.py bench/results/*.json      # rewrites each FILE.png beside 
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -125,13 +125,19 @@ def plot_stress(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) ->
 
 
 def replot(path: Path) -> None:
-    data = json.loads(path.read_text())
+    if not path.name.startswith("bench_hicache") or path.suffix != ".json":
+        raise SystemExit(f"error: {path}: not a bench_hicache result (bench_hicache*.json)")
+    try:
+        data = json.loads(path.read_text())
+        rows, meta = data["rows"], data["meta"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"error: {path}: cannot read a result ({exc!r})") from None
     draw = plot_stress if path.name.startswith("bench_hicache_stress-") else plot_latency
-    if not path.name.startswith("bench_hicache"):
-        raise SystemExit(f"error: {path}: not a bench_hicache result")
-    draw(data["rows"], data["meta"], path.with_suffix(""))
+    draw(rows, meta, path.with_suffix(""))
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:]:
-        replot(Path(name))
+    ap = argparse.ArgumentParser(prog="python bench/plots.py", description=__doc__)
+    ap.add_argument("files", nargs="+", type=Path, metavar="FILE.json", help="bench_hicache*.json results")
+    for name in ap.parse_args().files:
+        replot(name)

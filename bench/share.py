@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import add_out_args, device_name, write_results
+from common import add_out_args, at_least, device_name, guarded, positive_float, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,10 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python bench/share.py", description=__doc__)
     cuda = torch.cuda.is_available()
     ap.add_argument("--model", default="qwen3-8b" if cuda else "tiny")
-    ap.add_argument("--prefix-tokens", type=int, default=3500 if cuda else 256)
-    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--prefix-tokens", type=at_least(1), default=3500 if cuda else 256)
+    ap.add_argument("--prompts", type=at_least(1), default=3)
     ap.add_argument("--bandwidth-pages", type=int, default=219 if cuda else 64, help="pages per store batch")
-    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per instance")
+    ap.add_argument("--timeout", type=positive_float, default=240.0, help="seconds per instance")
     add_out_args(ap)
     args = ap.parse_args(argv)
     base = {"model": args.model, "prefix": args.prefix_tokens, "prompts": args.prompts}
@@ -209,4 +209,4 @@ def _plot(rows: list[dict[str, Any]], stem: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

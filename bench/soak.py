@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 import torch
-from common import add_out_args, device_name, engine_settings, write_results
+from common import add_out_args, at_least, device_name, engine_settings, guarded, write_results
 from tqdm import tqdm
 
 from hicache.backends.faults import FaultKind
@@ -165,9 +165,9 @@ def resources(engine: Engine) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = ArgParser("python bench/soak.py", __doc__)
     add_engine_args(ap)
-    ap.add_argument("--requests", type=int, default=10_000, help="stop after this many (or --minutes)")
+    ap.add_argument("--requests", type=at_least(1), default=10_000, help="stop after this many (or --minutes)")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this long")
-    ap.add_argument("--warmup", type=int, default=200, help="requests before the resource baseline")
+    ap.add_argument("--warmup", type=at_least(0), default=200, help="requests before the resource baseline")
     ap.add_argument("--concurrency", type=int, default=6, help="requests in flight at once")
     ap.add_argument("--fault-rate", type=float, default=0.05, help="faults injected per request")
     ap.add_argument("--abort-rate", type=float, default=0.03, help="aborts per request")
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-verify-pages", action="store_true", help="skip the per-page digests (for bisecting)")
     ap.set_defaults(num_pages=None)
     args = ap.parse_args(argv)
+    if args.requests <= args.warmup:
+        ap.error(f"--requests {args.requests}: must exceed --warmup {args.warmup} (the leak baseline is taken then)")
     cuda = str(args.device).startswith("cuda")
     if args.model == "qwen3-8b" and not cuda:
         args.model = "tiny"
@@ -388,4 +390,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    guarded(main)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import add_out_args, git_commit, tag_of, versions
+from common import add_out_args, at_least, existing_dir, git_commit, guarded, tag_of, versions
 
 from hicache.backends.pools import HostPool
 from hicache.backends.storage import StorageBackend, StorageFile
@@ -236,13 +236,13 @@ def keys_cost(reps: int = 50) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", type=Path, default=Path.cwd(), help="a directory on the disk to measure")
-    ap.add_argument("--pages", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--dir", type=existing_dir, default=Path.cwd(), help="a directory on the disk to measure")
+    ap.add_argument("--pages", type=at_least(1), nargs="+", default=[16, 64, 256])
     ap.add_argument("--caller-pages", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--stores", nargs="+", default=["file", "dir"], choices=["file", "dir"])
     ap.add_argument("--modes", nargs="+", default=["buffered", "direct"], choices=["buffered", "direct"])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--reps", type=at_least(1), default=3)
+    ap.add_argument("--workers", type=at_least(1), default=4)
     ap.add_argument("--chunk-pages", type=int, default=8)
     add_out_args(ap)
     args = ap.parse_args()
@@ -361,4 +361,4 @@ def plot(rows: list[dict[str, Any]], caller: list[dict[str, Any]], meta: dict[st
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

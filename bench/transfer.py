@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import at_least, guarded, out_dir
 
 from hicache.backends import kernels
 from hicache.backends.pools import DevicePool, HostPool
@@ -334,10 +335,12 @@ def plot(rows: list[dict[str, Any]], meta: dict[str, Any], names: list[str], pat
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--pages", type=int, nargs="+", default=None, help="default: 1..1024 on CUDA, 1 4 16 on CPU")
-    ap.add_argument("--reps", type=int, default=None, help="default: 10 on CUDA, 3 on CPU")
+    ap.add_argument(
+        "--pages", type=at_least(1), nargs="+", default=None, help="default: 1..1024 on CUDA, 1 4 16 on CPU"
+    )
+    ap.add_argument("--reps", type=at_least(1), default=None, help="default: 10 on CUDA, 3 on CPU")
     ap.add_argument("--backend", default=None, help="transfer backend (default: auto on CUDA, torch on CPU)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("HICACHE_BENCH_OUT", "/tmp/hicache-bench")))
+    ap.add_argument("--out", type=out_dir, default=Path(os.environ.get("HICACHE_BENCH_OUT", "/tmp/hicache-bench")))
     ap.add_argument("--tag", default=None, help="file name tag (default: h200, or the device)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -362,4 +365,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

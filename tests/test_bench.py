@@ -100,3 +100,40 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
         shutil.copy(src, tmp_path / src.name)
         plots.replot(tmp_path / src.name)
         assert (tmp_path / src.name).with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["core_ops.py", "--nodes", "0"], "--nodes: must be at least 1"),
+        (["transfer.py", "--reps", "-1"], "--reps: must be at least 1"),
+        (["storage.py", "--dir", "/nonexistent/hicache"], "--dir: not an existing directory"),
+        (["core_ops.py", "--out", "/dev/null/x"], "--out: cannot create the directory"),
+        (["soak.py", "--requests", "60"], "--requests 60: must exceed --warmup 200"),
+        (["plots.py", "README.md"], "not a bench_hicache result"),
+    ],
+)
+def test_a_bad_benchmark_flag_is_one_line_and_no_traceback(argv: list[str], says: str) -> None:
+    """A count of 0 or less, a directory that cannot be used, or a run too short for its
+    leak baseline: one error line naming it, a non-zero exit, no traceback, before any work."""
+    run = subprocess.run([sys.executable, *argv], cwd=ROOT / "bench", capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert says in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "says"),
+    [(KeyboardInterrupt(), 130, "interrupted"), (OSError(28, "No space left"), 2, "error: [Errno 28] No space left")],
+)
+def test_guarded_ends_a_benchmark_with_one_line(
+    capsys: pytest.CaptureFixture[str], exc: BaseException, code: int, says: str
+) -> None:
+    """Ctrl-C or an error the user can act on ends a benchmark with one line and an exit code."""
+
+    def main() -> None:
+        raise exc
+
+    with pytest.raises(SystemExit) as ended:
+        common.guarded(main)
+    assert ended.value.code == code
+    assert capsys.readouterr().err.strip() == says

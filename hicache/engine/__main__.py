@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = engine_from_args(args)
     except FlagError as exc:
         ap.error(str(exc))
+    except KeyboardInterrupt:  # while the model is built
+        print("interrupted", file=sys.stderr)
+        return 130
     server = MetricsServer(args.metrics_port) if args.enable_metrics else None
     try:
         if server is not None:

@@ -160,6 +160,8 @@ def explore_main(
     ap.add_argument("--config", choices=sorted(configs), action="append")
     ap.add_argument("--depth", type=int, default=None, help="default: each configuration's own")
     args = ap.parse_args(argv)
+    if args.depth is not None and args.depth < 1:
+        ap.error(f"--depth {args.depth}: must be at least 1")
     failed = False
     for name in args.config or sorted(configs):
         failed |= bool(run(name, args.depth).violations)

@@ -368,4 +368,7 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="Print the bad-input catalogue (docs/RELIABILITY.md) as markdown.").parse_args()
     print(markdown())
