@@ -83,7 +83,7 @@ RECIPES: dict[str, list[str]] = {
     "E:H2D+H2S": ["insert", "land_copy", "extend", "land_copy", "abort_all", "drop_L1", "restore_ext", "land_io"],
 }
 # The same for a shared store (SharedStoreMachine): runs discovered in each state a store copy
-# may join, and runs a read finds lost. P+E is P extended by one page.
+# may join, discovered runs read back, and runs a read finds lost. P+E is P extended by one page.
 SHARED_RECIPES: dict[str, list[str]] = {
     "D:REMOTE": ["gain", "admit"],
     "D:L1": ["insert", "fail_copy", "gain_ext", "admit_ext"],
@@ -91,6 +91,11 @@ SHARED_RECIPES: dict[str, list[str]] = {
     "D:L1_L2": ["insert", "land_copy", "fail_io", "gain_ext", "admit_ext"],
     "D:L2": ["insert", "land_copy", "fail_io", "abort_all", "drop_L1", "gain_ext", "admit_ext"],
     "D:H2D_PENDING": ["insert", "land_copy", "fail_io", "abort_all", "drop_L1", "restore", "gain_ext", "admit_ext"],
+    # runs discovered, then read back: the pages another instance wrote land in L2 and L1
+    "R:REMOTE": ["gain", "restore", "land_io", "land_copy"],
+    "R:L2+E": [
+        "insert", "land_copy", "fail_io", "abort_all", "drop_L1", "gain_ext", "restore_ext", "land_io", "land_copy",
+    ],
     "X:L3": ["insert", "settle", "abort_all", "drop_L1", "drop_L2", "lose_store", "restore", "land_io"],
     "X:L1_L3": [
         "insert", "extend", "settle", "abort_all", "drop_L2", "drop_L1_leaf", "lose_store", "restore_ext", "land_io",
