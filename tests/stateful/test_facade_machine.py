@@ -4,6 +4,7 @@ together they take every page-run and every request transition."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -42,3 +43,24 @@ def test_facade_machines_keep_every_invariant_and_take_every_transition() -> Non
     )
     assert not missing_reqs, missing_reqs
     assert not missing_runs, missing_runs
+
+
+def test_the_shared_store_sweep_catches_a_store_that_returns_wrong_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared store whose reads flip one byte of every page they serve: the shared-store
+    recipes read discovered runs back, so the sweep reports wrong content."""
+    from hicache.backends.stores.base import PageStatus
+    from hicache.testing import facade_machine
+    from hicache.testing.memory_store import MemoryStore
+
+    class Flipping(MemoryStore):
+        def get(self, host_pages: Any, slots: Any, keys: Any) -> list[PageStatus]:
+            out = super().get(host_pages, slots, keys)
+            rows = self.host.bytes.numpy()
+            for page, status in zip(host_pages, out, strict=True):
+                if status is PageStatus.OK:
+                    rows[page][0] ^= 1
+            return out
+
+    monkeypatch.setattr(facade_machine, "MemoryStore", Flipping)
+    with pytest.raises(AssertionError, match=r"SharedStoreMachine: recipe 'R:.*holds wrong content"):
+        sweep_recipes(machine=None)
