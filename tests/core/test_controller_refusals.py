@@ -142,3 +142,13 @@ def test_an_unknown_write_policy_is_refused_naming_the_choices_and_the_value() -
     choices = re.escape(str([p.value for p in WritePolicy]))
     with pytest.raises(ConfigError, match=rf"^write_policy must be one of {choices}, got 'lru'$"):
         _controller(TierSizes(4, 4, 0), write_policy="lru")
+
+
+def test_zero_seconds_are_accepted() -> None:
+    """A prefill or decode that took no measurable time (0.0 s) is a valid observation."""
+    c, _ = _make()
+    before = len(c.cost.recompute.samples) + (c.cost.recompute.held is not None)
+    c.observe_prefill(4, 0.0)
+    c.note_decode(0.0)
+    assert len(c.cost.recompute.samples) + (c.cost.recompute.held is not None) == before + 1
+    c.close()
