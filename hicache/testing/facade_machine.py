@@ -41,6 +41,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hicache.backends.faults import FaultKind
 from hicache.backends.pools import HostPool
+from hicache.backends.stores import PageStore
 from hicache.backends.ticket import Timings
 from hicache.core.controller import Request
 from hicache.core.geometry import KVGeometry
@@ -249,7 +250,7 @@ class FacadeMachine(RuleBasedStateMachine):
         self.movers: list[ScheduledMover] = []
         self.requests: list[Request] = []
         self.prompts: list[tuple[int, ...]] = []
-        self.store: MemoryStore | None = None
+        self.store: Any = None  # the L3 store made by make_store (None: the cache's own)
 
     @property
     def c(self) -> HiCache:
@@ -263,6 +264,14 @@ class FacadeMachine(RuleBasedStateMachine):
         head_dim]`` on the CPU); None lets the cache allocate one."""
         return None
 
+    def make_store(self, host: HostPool) -> PageStore:
+        """The L3 store the cache is built over, given its L2 pool. Used by the shared
+        machine (a :class:`MemoryStore`), and by the others only where overridden
+        (:func:`machines_over`'s ``store``; else the cache's own ``file`` store). A store for
+        the shared machine must also take ``add(key, page_bytes)`` and ``drop(key)``: the other
+        instances that write and evict behind the cache's back."""
+        return MemoryStore(host)
+
     def make_device(self, cache: HiCache) -> DeviceMover:
         """The L1 <-> L2 mover over ``cache.l1`` and ``cache.l2`` (the scheduled machines
         wrap it); by default the cache's own :class:`~hicache.backends.transfer.TransferEngine`."""
@@ -273,9 +282,11 @@ class FacadeMachine(RuleBasedStateMachine):
     def _build(self, sizes: tuple[int, int, int], policy: str) -> None:
         l1, l2, l3 = sizes
 
-        def memory(host: HostPool) -> MemoryStore:
-            self.store = MemoryStore(host)
-            return self.store
+        def store(host: HostPool) -> PageStore:
+            made = self.store = self.make_store(host)
+            return made
+
+        own = self.shared or type(self).make_store is not FacadeMachine.make_store
 
         config = HiCacheConfig(
             G,
@@ -290,7 +301,7 @@ class FacadeMachine(RuleBasedStateMachine):
             transfer_backend="torch",
             model_id="facade-machine",
         )
-        self.cache = c = HiCache(config, self.make_l1(G, l1), store=memory if self.shared and l3 else None)
+        self.cache = c = HiCache(config, self.make_l1(G, l1), store=store if own and l3 else None)
         _note(f"sizes {sizes}, {policy}")
         mover = self.make_device(c)
         if not self.scheduled:
@@ -705,9 +716,12 @@ class Machines(NamedTuple):
 def machines_over(
     l1: Callable[[KVGeometry, int], torch.Tensor] | None = None,
     device: Callable[[HiCache], DeviceMover] | None = None,
+    store: Callable[[HostPool], PageStore] | None = None,
 ) -> Machines:
-    """The three machines with ``l1(geometry, pages)`` as the L1 pool and ``device(cache)``
-    as the L1 <-> L2 mover (None: ours), each with coverage counters of its own."""
+    """The three machines with ``l1(geometry, pages)`` as the L1 pool, ``device(cache)`` as
+    the L1 <-> L2 mover and ``store(l2)`` as the L3 store (None: ours; a store for the shared
+    machine also takes ``add`` and ``drop``, :meth:`FacadeMachine.make_store`), each with
+    coverage counters of its own."""
 
     def bind(base: type[FacadeMachine]) -> type[FacadeMachine]:
         body: dict[str, Any] = {"coverage": Counter(), "request_coverage": Counter()}
@@ -715,6 +729,8 @@ def machines_over(
             body["make_l1"] = lambda self, geometry, pages: l1(geometry, pages)
         if device is not None:
             body["make_device"] = lambda self, cache: device(cache)
+        if store is not None:
+            body["make_store"] = lambda self, host: store(host)
         return type(base.__name__, (base,), body)
 
     return Machines(bind(FacadeMachine), bind(SharedStoreMachine), bind(RealBackendsMachine))

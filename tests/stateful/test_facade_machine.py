@@ -64,3 +64,28 @@ def test_the_shared_store_sweep_catches_a_store_that_returns_wrong_bytes(monkeyp
     monkeypatch.setattr(facade_machine, "MemoryStore", Flipping)
     with pytest.raises(AssertionError, match=r"SharedStoreMachine: recipe 'R:.*holds wrong content"):
         sweep_recipes(machine=None)
+
+
+def test_machines_over_a_users_store_catch_it_returning_wrong_bytes() -> None:
+    """``machines_over(store=...)`` builds the machines over an embedder's own L3 store; one
+    whose reads flip a byte of every page is caught by the sweep of the scheduled machine."""
+    from hicache.backends.pools import HostPool
+    from hicache.backends.stores.base import PageStatus
+    from hicache.testing.facade_machine import machines_over
+    from hicache.testing.memory_store import MemoryStore
+
+    class Flipping(MemoryStore):
+        def get(self, host_pages: Any, slots: Any, keys: Any) -> list[PageStatus]:
+            out = super().get(host_pages, slots, keys)
+            rows = self.host.bytes.numpy()
+            for page, status in zip(host_pages, out, strict=True):
+                if status is PageStatus.OK:
+                    rows[page][0] ^= 1
+            return out
+
+    def good(host: HostPool) -> MemoryStore:
+        return MemoryStore(host)
+
+    sweep_recipes(machines_over(store=good).scheduled, None)  # a correct store passes
+    with pytest.raises(AssertionError, match="holds wrong content"):
+        sweep_recipes(machines_over(store=Flipping).scheduled, None)
