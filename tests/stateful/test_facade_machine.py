@@ -10,9 +10,24 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from hicache.backends.pools import HostPool
+from hicache.backends.stores.base import PageStatus
 from hicache.spec.model import TABLE, Event, RunState
 from hicache.spec.request import REQUEST_TABLE, ReqEvent, ReqState
 from hicache.testing.facade_machine import FacadeMachine, RealBackendsMachine, SharedStoreMachine, sweep_recipes
+from hicache.testing.memory_store import MemoryStore
+
+
+class Flipping(MemoryStore):
+    """A store whose reads flip one byte of every page they serve."""
+
+    def get(self, host_pages: Any, slots: Any, keys: Any) -> list[PageStatus]:
+        out = super().get(host_pages, slots, keys)
+        rows = self.host.bytes.numpy()
+        for page, status in zip(host_pages, out, strict=True):
+            if status is PageStatus.OK:
+                rows[page][0] ^= 1
+        return out
 
 
 @pytest.mark.slow
@@ -48,18 +63,7 @@ def test_facade_machines_keep_every_invariant_and_take_every_transition() -> Non
 def test_the_shared_store_sweep_catches_a_store_that_returns_wrong_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A shared store whose reads flip one byte of every page they serve: the shared-store
     recipes read discovered runs back, so the sweep reports wrong content."""
-    from hicache.backends.stores.base import PageStatus
     from hicache.testing import facade_machine
-    from hicache.testing.memory_store import MemoryStore
-
-    class Flipping(MemoryStore):
-        def get(self, host_pages: Any, slots: Any, keys: Any) -> list[PageStatus]:
-            out = super().get(host_pages, slots, keys)
-            rows = self.host.bytes.numpy()
-            for page, status in zip(host_pages, out, strict=True):
-                if status is PageStatus.OK:
-                    rows[page][0] ^= 1
-            return out
 
     monkeypatch.setattr(facade_machine, "MemoryStore", Flipping)
     with pytest.raises(AssertionError, match=r"SharedStoreMachine: recipe 'R:.*holds wrong content"):
@@ -69,19 +73,7 @@ def test_the_shared_store_sweep_catches_a_store_that_returns_wrong_bytes(monkeyp
 def test_machines_over_a_users_store_catch_it_returning_wrong_bytes() -> None:
     """``machines_over(store=...)`` builds the machines over an embedder's own L3 store; one
     whose reads flip a byte of every page is caught by the sweep of the scheduled machine."""
-    from hicache.backends.pools import HostPool
-    from hicache.backends.stores.base import PageStatus
     from hicache.testing.facade_machine import machines_over
-    from hicache.testing.memory_store import MemoryStore
-
-    class Flipping(MemoryStore):
-        def get(self, host_pages: Any, slots: Any, keys: Any) -> list[PageStatus]:
-            out = super().get(host_pages, slots, keys)
-            rows = self.host.bytes.numpy()
-            for page, status in zip(host_pages, out, strict=True):
-                if status is PageStatus.OK:
-                    rows[page][0] ^= 1
-            return out
 
     def good(host: HostPool) -> MemoryStore:
         return MemoryStore(host)
