@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "RESULTS.md"
 RESULTS = ROOT / "bench" / "results"
 
-TRANSFER = "transfer-2026-12-01-h200.json"
-LATENCY = "bench_hicache-qwen3-8b-2026-12-01-h200-quick.json"
-LONG = "bench_hicache-qwen3-8b-2026-12-01-h200-long.json"
-OVERLAP = "bench_hicache_stress-qwen3-8b-2026-12-01-h200-overlap.json"
-OVERLAP_4B = "bench_hicache_stress-qwen3-4b-2026-12-01-h200-overlap.json"
+TRANSFER = "transfer-2026-12-02-h200.json"
+LATENCY = "bench_hicache-qwen3-8b-2026-12-02-h200-quick.json"
+LONG = "bench_hicache-qwen3-8b-2026-12-02-h200-long.json"
+OVERLAP = "bench_hicache_stress-qwen3-8b-2026-12-02-h200-overlap.json"
+OVERLAP_4B = "bench_hicache_stress-qwen3-4b-2026-12-02-h200-overlap.json"
 SHARE = "share-qwen3-8b-2026-12-01-h200.json"
 FLEET = "fleet-2026-12-01-sim.json"
 STRESS = (

@@ -301,8 +301,8 @@ class TransferEngine:
         self.copy_max_pages = (COPY_MAX_PAGES if self.cuda else 0) if copy_max_pages is None else copy_max_pages
         self.copy_usable = self.copy_max_pages > 0 and (dma.AVAILABLE or not self.cuda)
         self.fence_policy: FencePolicy = fences
-        # NOTE: off by default until measured on a GPU (bench/probes/layered_rate.py compares
-        # both); the stream-order tests for it run on CUDA only.
+        # NOTE: off by default: alone the split copy runs nearer the plain rate, but in the
+        # engine the layered prefill ended behind the whole copy (docs/RESULTS.md, latency).
         self.split_layered = split_layered
         self.gather_backend: str | None = None
         self.scatter_backend: str | None = None
