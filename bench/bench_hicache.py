@@ -71,6 +71,10 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         max_batch=1,
     )
     engine.cache.device.split_layered = args.split_layered
+    if args.straight_runs is not None:
+        engine.cache.device.straight_runs = args.straight_runs
+    if args.straight_max_pages is not None:
+        engine.cache.device.straight_max_pages = args.straight_max_pages
     rng = random.Random(prefix)
     vocab = int(net.config.vocab_size)  # type: ignore[union-attr, arg-type]
     prefixes = [[rng.randrange(vocab) for _ in range(prefix)] for _ in range(2)]
@@ -219,6 +223,19 @@ def main(argv: list[str] | None = None) -> None:
         "--split-layered",
         action="store_true",
         help="a layered restore's scatters on the transfer engine's kernel stream (TransferEngine.split_layered)",
+    )
+    b.add_argument(
+        "--straight-runs",
+        type=at_least(0),
+        default=None,
+        help="the most page runs a layered restore copies straight into L1 (0: always the ring; "
+        "default: TransferEngine's)",
+    )
+    b.add_argument(
+        "--straight-max-pages",
+        type=at_least(0),
+        default=None,
+        help="the most pages a layered restore copies straight into L1 (default: TransferEngine's)",
     )
     add_out_args(ap)
     args = ap.parse_args(argv)

@@ -143,7 +143,10 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
         "attention": runner.attention,
         "layered_restore": engine.layered,
         "prefetch": engine.prefetch,
-        "transfer": {k: engine.cache.device.status()[k] for k in ("gather", "scatter", "split_layered")},
+        "transfer": {
+            k: engine.cache.device.status()[k]
+            for k in ("gather", "scatter", "split_layered", "straight_runs", "straight_max_pages")
+        },
     }
 
 

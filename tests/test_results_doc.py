@@ -18,6 +18,7 @@ RESULTS = ROOT / "bench" / "results"
 TRANSFER = "transfer-2026-12-02-h200.json"
 LATENCY = "bench_hicache-qwen3-8b-2026-12-02-h200-quick.json"
 LONG = "bench_hicache-qwen3-8b-2026-12-02-h200-long.json"
+STRAIGHT = "bench_hicache-qwen3-8b-2026-12-02-h200-quick-straight.json"
 OVERLAP = "bench_hicache_stress-qwen3-8b-2026-12-02-h200-overlap.json"
 OVERLAP_4B = "bench_hicache_stress-qwen3-4b-2026-12-02-h200-overlap.json"
 SHARE = "share-qwen3-8b-2026-12-01-h200.json"
@@ -73,6 +74,15 @@ def restore(tier: str, prefix: int, target: float | None) -> Figure:
     if tier == "l2":
         printed.append(f"{base['ttft_ms']:.2f} ms")
     return Figure(printed, None if target is None else row["speedup"] >= target)
+
+
+def straight_small() -> Figure:
+    """The 350-token L2 restore copied straight into L1 (the small restores' path): speed-up,
+    TTFT, recompute and its floor ratio (target ≤ 1.2×)."""
+    row, base = latency_row("l2", 350, STRAIGHT), latency_row("none", 350, STRAIGHT)
+    printed = [f"{row['speedup']:.2f}×", f"{row['ttft_ms']:.2f} ms", f"{base['ttft_ms']:.2f} ms"]
+    printed.append(f"{row['floor_ratio']:.2f}× its floor")
+    return Figure(printed, row["floor_ratio"] <= 1.2)
 
 
 def bookkeeping(prefix: int, target_pct: float) -> Figure:
@@ -155,6 +165,7 @@ CHECKS: dict[str, tuple[Callable[[], Figure], tuple[str, ...]]] = {
     "Gather/scatter, 1,024 pages": (lambda: kernels(1024), (TRANSFER,)),
     "L2 restore, 3,500 tokens": (lambda: restore("l2", 3500, 10.0), (LATENCY,)),
     "L2 restore, 350 tokens": (lambda: restore("l2", 350, 3.0), (LATENCY,)),
+    "L2 restore, 350 tokens, straight into L1": (straight_small, (STRAIGHT,)),
     "Bookkeeping, 3,500 tokens": (lambda: bookkeeping(3500, 1.0), (LATENCY,)),
     "Bookkeeping, 350 tokens": (lambda: bookkeeping(350, 1.5), (LATENCY,)),
     "L3 restore (local disk), 3,500 tokens": (lambda: restore("l3", 3500, None), (LATENCY,)),

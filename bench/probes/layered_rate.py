@@ -7,7 +7,8 @@ measured in the same run (median wall time of ``--reps``, synchronized):
 1. strided row DMAs (``dma.copy_rows_raw``) of a consecutive L2 run into a device buffer,
    by rows of 1, 2, 4, 6, 12 and 36 layers (one K and one V DMA per group of layers);
 2. the engine's layered H2D of a consecutive and a fragmented run, by layer-group schedule,
-   on one stream and split over two (``split_layered``);
+   through the ring on one stream and split over two (``split_layered``), and straight into
+   one run of L1 pages (``straight_runs``);
 3. the default layered H2D beside a matmul loop on another stream (a stand-in forward);
 4. D2H/H2D of 4 to 128 pages through engines with other ring chunk sizes and paths;
 5. ``--profile N``: the N functions with the most own host time in 20 layered H2D enqueues.
@@ -110,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     layouts = {"consecutive": list(range(n)), "fragmented": list(range(0, 2 * n, 2))}
     print("\n2. engine layered H2D (wall, incl. host)")
     for (first, most), split in itertools.product(((1, 8), (2, 8), (4, 8), (8, 8), (12, 12), (36, 36)), (False, True)):
-        engine = TransferEngine(l1, l2, "auto", layer_group=first, max_layer_group=most, split_layered=split)
+        engine = TransferEngine(
+            l1, l2, "auto", layer_group=first, max_layer_group=most, split_layered=split, straight_runs=0
+        )
         for name, src in layouts.items():
 
             def layered(e: TransferEngine = engine, s: list[int] = src) -> None:
@@ -128,6 +131,24 @@ def main(argv: list[str] | None = None) -> int:
             l2.slabs[layouts["fragmented"]].view(torch.int16),
         )
         print(f"    last pages bit-identical: {ok}")
+        # the default schedule straight into one run of L1 pages (after the check: it
+        # overwrites some of the pages checked)
+        if (first, most) == (1, 8) and not split:
+            straight = TransferEngine(l1, l2, "auto", layer_group=first, max_layer_group=most, straight_max_pages=n)
+            one_run = list(range(n + 4, 2 * n + 4))
+
+            def straight_h2d(e: TransferEngine = straight, d: list[int] = one_run) -> None:
+                if not e.h2d(layouts["consecutive"], d, events).wait():
+                    raise RuntimeError("layered H2D failed")
+
+            t = wall(straight_h2d, reps)
+            same = torch.equal(
+                l1.slabs[:, n + 4 : 2 * n + 4].transpose(0, 1).cpu().view(torch.int16), l2.slabs[:n].view(torch.int16)
+            )
+            print(
+                f"  groups {first}->{most} straight    : {t * 1e3:7.3f} ms, {plain / t:.3f} of plain "
+                f"({straight.status()['straight']} straight; pages bit-identical: {same})"
+            )
 
     # 3. beside a matmul loop
     x = torch.randn(22, 4096, device="cuda", dtype=torch.bfloat16)

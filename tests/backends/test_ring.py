@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.transfer import TransferBackend, TransferEngine
 from hicache.core.geometry import KVGeometry
+from hicache.errors import ConfigError
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -255,6 +256,61 @@ def test_layered_h2d_records_each_event_after_its_layers_of_every_page(
             (seen,) = events[x].records
             assert seen == frozenset(range(hi)), (x, sorted(seen))
     assert torch.equal(l1.slabs[:, dst].transpose(0, 1), want)
+
+
+STRAIGHT_LAYOUTS = {  # (L2 pages, L1 pages, runs over which both step by one)
+    "one run": (list(range(4, 13)), list(range(10, 19)), 1),
+    "two runs": ([4, 5, 6, 7, 8, 15, 16, 17, 18], [10, 11, 12, 13, 14, 2, 3, 4, 5], 2),
+    "three runs": ([4, 5, 6, 15, 16, 17, 20, 21, 22], [10, 11, 12, 2, 3, 4, 7, 8, 9], 3),
+    "L2 consecutive, L1 not": (list(range(4, 13)), [10, 11, 12, 0, 1, 2, 20, 21, 22], 3),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(STRAIGHT_LAYOUTS))
+@pytest.mark.parametrize(("straight_runs", "max_pages"), [(0, 32), (2, 32), (3, 32), (3, 9), (3, 8), (3, 0)])
+def test_a_layered_h2d_over_few_runs_goes_straight_into_l1(
+    monkeypatch: pytest.MonkeyPatch, layout: str, straight_runs: int, max_pages: int
+) -> None:
+    """A layered H2D of at most ``straight_max_pages`` pages forming at most
+    ``straight_runs`` runs in both pools is copied straight into L1 (no ring, no scatter:
+    its address arithmetic run on CPU); more runs or pages go through the ring. Either way
+    each layer's event is recorded once that layer of every page (and no later group's
+    layer) has landed, and the pages end bit-exact, nothing else written."""
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+    l1, l2 = pools(24, layers=7, seed=5)
+    eng = engine(
+        l1, l2, 4, 2, layer_group=1, max_layer_group=4, straight_runs=straight_runs, straight_max_pages=max_pages
+    )
+    layers = l1.geometry.num_layers
+    l2_pages, dst, runs = STRAIGHT_LAYOUTS[layout]
+    want = l2.slabs[l2_pages].clone()
+    others = [p for p in range(24) if p not in dst]
+
+    def landed() -> frozenset[int]:
+        got = l1.slabs[:, dst].transpose(0, 1)
+        return frozenset(x for x in range(layers) if torch.equal(got[:, [x, layers + x]], want[:, [x, layers + x]]))
+
+    events = [FakeEvent(landed) for _ in range(layers)]
+    l1.slabs.zero_()
+    before = l1.slabs[:, others].clone()
+    assert eng.h2d(l2_pages, dst, layer_events=events).wait()
+    status = eng.status()
+    assert status["paths"]["layered"] == 1 and status["straight_runs"] == straight_runs
+    assert status["straight"] == (1 if runs <= straight_runs and len(dst) <= max_pages else 0)
+    for lo, hi in eng.layer_groups():
+        for x in range(lo, hi):
+            (seen,) = events[x].records
+            assert seen == frozenset(range(hi)), (x, sorted(seen))
+    assert torch.equal(l1.slabs[:, dst].transpose(0, 1), want)
+    assert torch.equal(l1.slabs[:, others], before)
+
+
+@pytest.mark.parametrize("name", ["straight_runs", "straight_max_pages"])
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "2", None])
+def test_straight_limits_must_be_non_negative_ints(name: str, bad: object) -> None:
+    l1, l2 = pools()
+    with pytest.raises(ConfigError, match=name):
+        TransferEngine(l1, l2, "torch", **{name: bad})  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU pools need TRITON_INTERPRET=1")

@@ -90,14 +90,17 @@ def test_copy_rows_copies_strided_host_rows() -> None:
 @pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("l2_pages", [list(range(20, 25)), [30, 2, 17, 18, 5]])
-def test_layered_h2d_lands_every_page_and_signals_every_layer(backend: TransferBackend, l2_pages: list[int]) -> None:
+@pytest.mark.parametrize("l1_pages", [[6, 1, 9, 10, 3], [40, 41, 42, 43, 44]], ids=["l1-scattered", "l1-run"])
+def test_layered_h2d_lands_every_page_and_signals_every_layer(
+    backend: TransferBackend, l2_pages: list[int], l1_pages: list[int]
+) -> None:
+    """Through the ring, or straight into L1 when both sides are one run (``straight``)."""
     g = KVGeometry(5, 2, 64, 16, torch.bfloat16)
     dev = DevicePool.allocate(g, 64, "cuda")
     host = HostPool(g, 64)
     host.page_buffer.copy_(torch.randn(host.page_buffer.shape).to(g.dtype))
     engine = TransferEngine(dev, host, backend, layer_group=2, scatter_programs=3)
     events: list[Any] = [torch.cuda.Event() for _ in range(g.num_layers)]  # type: ignore[no-untyped-call]
-    l1_pages = [6, 1, 9, 10, 3]
     engine.h2d(l2_pages, l1_pages, layer_events=events).wait()  # allocations (they synchronize) first
     with torch.cuda.stream(engine.stream):
         torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]  # the copy starts late
@@ -107,6 +110,8 @@ def test_layered_h2d_lands_every_page_and_signals_every_layer(backend: TransferB
     assert all(e.query() for e in events)
     got = dev.slabs.index_select(1, torch.tensor(l1_pages, device="cuda")).transpose(0, 1).cpu()
     assert torch.equal(got, host.slabs[l2_pages])
+    straight = l1_pages[0] == 40 and l2_pages[0] == 20
+    assert engine.status()["straight"] == (2 if straight else 0)
     with pytest.raises(ConfigError, match="events for 5 layers"):
         engine.h2d([0], [0], layer_events=events[:2])
 

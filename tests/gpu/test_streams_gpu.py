@@ -45,6 +45,7 @@ PATHS = {  # engine keyword arguments per path; "multi": 4 chunks of 2 pages for
         "chunk_bytes": 2 * G.bytes_per_page,
         "chunks": 2,
         "split_layered": True,
+        "straight_runs": 0,  # the ring, whatever the page runs
     },
 }
 
@@ -138,7 +139,7 @@ def test_d2h_reads_the_pages_the_caller_just_wrote(
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("path", ["copy", "direct", "ring", "multi", "layered"])
+@pytest.mark.parametrize("path", ["copy", "direct", "ring", "multi", "layered", "straight"])
 @pytest.mark.parametrize("wait", variants("wait_caller"))
 def test_h2d_does_not_overwrite_pages_the_caller_still_reads(
     monkeypatch: pytest.MonkeyPatch, backend: TransferBackend, path: str, wait: str | None
@@ -147,10 +148,13 @@ def test_h2d_does_not_overwrite_pages_the_caller_still_reads(
     them by H2D: the read must see the old bytes (and the pages end as the new ones)."""
     if backend == "torch" and path == "direct":
         pytest.skip("the direct path is Triton's")
-    if path == "layered" and not dma.AVAILABLE:
+    layered = path in ("layered", "straight")
+    if layered and not dma.AVAILABLE:
         pytest.skip("the layered H2D needs cuda-python")
-    s = Scene(backend, "ring" if path == "layered" else path)
-    events = [torch.cuda.Event() for _ in range(G.num_layers)] if path == "layered" else None  # type: ignore[no-untyped-call]
+    s = Scene(backend, "ring" if layered else path)
+    if path == "layered":
+        s.engine.straight_runs = 0  # through the ring (the pages here are one run)
+    events = [torch.cuda.Event() for _ in range(G.num_layers)] if layered else None  # type: ignore[no-untyped-call]
     if events is not None:  # warm the layered path too
         with torch.cuda.stream(s.caller):
             assert s.engine.h2d(list(range(40, 48)), list(range(40, 48)), layer_events=events).wait()
@@ -164,7 +168,8 @@ def test_h2d_does_not_overwrite_pages_the_caller_still_reads(
         ticket = s.engine.h2d(list(range(20, 20 + s.pages)), s.ids(), layer_events=events)
         ticket.wait_on_current_stream()
     torch.cuda.synchronize()
-    assert ticket.wait() and (path != "layered" or s.engine.status()["paths"]["layered"] == 2)
+    assert ticket.wait() and (not layered or s.engine.status()["paths"]["layered"] == 2)
+    assert s.engine.status()["straight"] == (2 if path == "straight" else 0)
     assert torch.equal(s.l1.buffer[:, :, s.span].cpu(), s.l2.buffer[:, :, 20 : 20 + s.pages])
     judge(torch.equal(s.snapshot, old), wait)
 
