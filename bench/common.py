@@ -81,6 +81,22 @@ def positive_float(text: str) -> float:
     return value
 
 
+def torch_device(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` that this machine has."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError("not a torch device (cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError("the benchmarks run on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError("no CUDA device here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"only {torch.cuda.device_count()} CUDA device(s) visible")
+    return text
+
+
 def guarded(main: Callable[[], object]) -> None:
     """Run a benchmark's ``main``: Ctrl-C ends it with "interrupted" (exit 130) and a
     hicache refusal or an OS error with one ``error:`` line (exit 2), not a traceback."""

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import at_least, guarded, out_dir
+from common import at_least, guarded, out_dir, torch_device
 
 from hicache.backends import kernels
 from hicache.backends.pools import DevicePool, HostPool
@@ -334,18 +334,21 @@ def plot(rows: list[dict[str, Any]], meta: dict[str, Any], names: list[str], pat
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--pages", type=at_least(1), nargs="+", default=None, help="default: 1..1024 on CUDA, 1 4 16 on CPU"
     )
     ap.add_argument("--reps", type=at_least(1), default=None, help="default: 10 on CUDA, 3 on CPU")
-    ap.add_argument("--backend", default=None, help="transfer backend (default: auto on CUDA, torch on CPU)")
+    ap.add_argument(
+        "--backend",
+        choices=["auto", "triton", "torch"],
+        default=None,
+        help="transfer backend (default: auto on CUDA, torch on CPU)",
+    )
     ap.add_argument("--out", type=out_dir, default=Path(os.environ.get("HICACHE_BENCH_OUT", "/tmp/hicache-bench")))
     ap.add_argument("--tag", default=None, help="file name tag (default: h200, or the device)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
     if not cuda:
         torch.set_num_threads(1)  # NOTE: small CPU copies on a busy pool of threads stall ~20 ms at random
     pages = args.pages or ([1, 4, 16, 64, 256, 1024] if cuda else [1, 4, 16])

@@ -13,6 +13,8 @@ import random
 from hicache.core import CacheCore, TierSizes
 from hicache.spec.model import Direction, Tier
 
+MAX_PROMPT_TOKENS = 1_000_000  # a few seconds and a few hundred MB of Python ints
+
 
 def _line(core: CacheCore, label: str, prompt: tuple[int, ...]) -> None:
     l1, l2, l3 = core.match(prompt).lengths
@@ -24,7 +26,9 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m hicache.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--page-size", type=int, default=16, help="tokens per page (>= 1)")
-    ap.add_argument("--prompt-tokens", type=int, default=1000, help="tokens per prompt (>= 2 pages)")
+    ap.add_argument(
+        "--prompt-tokens", type=int, default=1000, help=f"tokens per prompt (>= 2 pages, <= {MAX_PROMPT_TOKENS:,})"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     ps = args.page_size
@@ -32,6 +36,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--page-size {ps}: must be an integer >= 1")
     if args.prompt_tokens < 2 * ps:
         ap.error(f"--prompt-tokens {args.prompt_tokens}: must be at least two pages ({2 * ps} tokens)")
+    if args.prompt_tokens > MAX_PROMPT_TOKENS:
+        ap.error(
+            f"--prompt-tokens {args.prompt_tokens}: at most {MAX_PROMPT_TOKENS} (the demo holds every token in memory)"
+        )
     rng = random.Random(args.seed)
     need = args.prompt_tokens // ps
     core = CacheCore(ps, TierSizes(l1_pages=need + need // 2, l2_pages=2 * need, l3_pages=4 * need), tracing=True)

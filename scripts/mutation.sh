@@ -24,22 +24,28 @@ ONLY=()
 TESTS="tests/spec tests/core tests/stateful tests/test_metrics.py"
 MAX_SECONDS=0
 REPORT_ONLY=0
+die() { echo "mutation.sh: $*" >&2; exit 2; }
+value() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value"; }
+count() {  # flag, value, least: a whole number >= least
+  value "$1" "${2-}"
+  [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -ge "$3" ] || die "$1 $2: must be a whole number >= $3"
+}
 while [ $# -gt 0 ]; do
   case "$1" in
-    --sample) SAMPLE=$2; shift 2 ;;
-    --per-file) PER_FILE=$2; shift 2 ;;
-    --seed) SEED=$2; shift 2 ;;
-    --jobs) JOBS=$2; shift 2 ;;
-    --profile) PROFILE=$2; shift 2 ;;
-    --only) ONLY+=("$2"); shift 2 ;;
-    --tests) TESTS=$2; shift 2 ;;
-    --max-seconds) MAX_SECONDS=$2; shift 2 ;;
+    --sample) count "$1" "${2-}" 0; SAMPLE=$2; shift 2 ;;
+    --per-file) count "$1" "${2-}" 0; PER_FILE=$2; shift 2 ;;
+    --seed) count "$1" "${2-}" 0; SEED=$2; shift 2 ;;
+    --jobs) count "$1" "${2-}" 1; JOBS=$2; shift 2 ;;
+    --profile) value "$1" "${2-}"; PROFILE=$2; shift 2 ;;
+    --only) value "$1" "${2-}"; ONLY+=("$2"); shift 2 ;;
+    --tests) value "$1" "${2-}"; TESTS=$2; shift 2 ;;
+    --max-seconds) count "$1" "${2-}" 0; MAX_SECONDS=$2; shift 2 ;;
     --report) REPORT_ONLY=1; shift ;;
     -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
+    *) die "unknown argument $1 (--help lists them)" ;;
   esac
 done
-if [ "$SAMPLE" -gt 0 ] && [ "$PER_FILE" -gt 0 ]; then echo "--sample and --per-file exclude each other" >&2; exit 2; fi
+if [ "$SAMPLE" -gt 0 ] && [ "$PER_FILE" -gt 0 ]; then die "--sample and --per-file exclude each other"; fi
 [ ${#ONLY[@]} -gt 0 ] || ONLY=("hicache/spec/*.py" "hicache/core/*.py")
 
 PY=$ROOT/.venv/bin/python

@@ -107,6 +107,10 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
     [
         (["core_ops.py", "--nodes", "0"], "--nodes: must be at least 1"),
         (["transfer.py", "--reps", "-1"], "--reps: must be at least 1"),
+        (["transfer.py", "--device", "bogus"], "--device: not a torch device"),
+        (["transfer.py", "--device", "mps"], "--device: the benchmarks run on cpu or cuda"),
+        (["transfer.py", "--backend", "cuda"], "--backend: invalid choice"),
+        (["bench_hicache.py", "--straight-runs", "-1"], "--straight-runs must be at least 0"),
         (["storage.py", "--dir", "/nonexistent/hicache"], "--dir: not an existing directory"),
         (["core_ops.py", "--out", "/dev/null/x"], "--out: cannot create the directory"),
         (["soak.py", "--requests", "60"], "--requests 60: must exceed --warmup 200"),
@@ -137,3 +141,24 @@ def test_guarded_ends_a_benchmark_with_one_line(
         common.guarded(main)
     assert ended.value.code == code
     assert capsys.readouterr().err.strip() == says
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--sample"], "--sample needs a value"),
+        (["--sample", "abc"], "--sample abc: must be a whole number >= 0"),
+        (["--jobs", "0"], "--jobs 0: must be a whole number >= 1"),
+        (["--only"], "--only needs a value"),
+        (["--bogus"], "unknown argument --bogus"),
+        (["--sample", "3", "--per-file", "2"], "--sample and --per-file exclude each other"),
+    ],
+)
+def test_the_mutation_script_refuses_a_bad_argument_in_one_line(argv: list[str], says: str) -> None:
+    """scripts/mutation.sh names the bad argument and exits 2 before any work (no bash
+    'unbound variable' or 'integer expression expected')."""
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "mutation.sh"), *argv], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"mutation.sh: {says}") and run.stderr.count("\n") == 1, run.stderr

@@ -22,6 +22,10 @@ def test_the_demo_runs_and_brings_a_prompt_back_from_every_tier(capsys: pytest.C
         (["--page-size", "-1"], "--page-size -1: must be an integer >= 1"),
         (["--prompt-tokens", "5"], "--prompt-tokens 5: must be at least two pages (32 tokens)"),
         (["--page-size", "2000"], "--prompt-tokens 1000: must be at least two pages (4000 tokens)"),
+        (
+            ["--prompt-tokens", str(10**12)],
+            f"--prompt-tokens {10**12}: at most 1000000 (the demo holds every token in memory)",
+        ),
     ],
 )
 def test_bad_sizes_are_a_usage_error(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
