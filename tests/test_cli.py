@@ -168,6 +168,39 @@ def test_cuda_device_on_a_cpu_only_torch_is_a_flag_error(capsys: pytest.CaptureF
     assert err == f"error: --device cuda: {why} (torch {torch.__version__}); use --device cpu\n"
 
 
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: 40 GB"),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+        MemoryError(),
+    ],
+)
+def test_running_out_of_memory_while_building_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], exc: BaseException
+) -> None:
+    """The host or the device out of memory while the model and engine are built: one line
+    naming the model and the flags that shrink it, exit 1, no traceback."""
+
+    def build(*args: object, **kwargs: object) -> object:
+        raise exc
+
+    monkeypatch.setattr("hicache.engine.cli.build_model", build)
+    code, out, err = run_main(["--model", "tiny", "--requests", "1"], capsys)
+    assert code == 1 and out == ""
+    assert err.startswith("error: out of memory building the model (tiny) and the engine on cpu: ")
+    assert err.endswith("; try a smaller --model, --num-pages or --dtype bfloat16\n") and err.count("\n") == 1
+
+
+def test_another_runtime_error_while_building_is_not_called_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    def build(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("some other failure")
+
+    monkeypatch.setattr("hicache.engine.cli.build_model", build)
+    with pytest.raises(RuntimeError, match="some other failure"):
+        cli_main.main(["--model", "tiny", "--requests", "1"])
+
+
 def test_as_a_module_bad_input_prints_one_line_and_no_traceback() -> None:
     """The real entry point: ``python -m hicache.engine`` with a bad flag exits 2 with one line."""
     run = subprocess.run(

@@ -18,6 +18,7 @@ import sys
 import time
 from collections import Counter
 
+import torch
 import xxhash
 from tqdm import tqdm
 
@@ -123,6 +124,14 @@ def report(engine: Engine, outs: list[Output], wall: float) -> Counter[str]:
     return failed
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure (host or device), as torch reports one."""
+    text = str(exc)
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+        "can't allocate memory" in text or "out of memory" in text.lower()
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -145,6 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # while the model is built
         print("interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError subclasses
+        if not _out_of_memory(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"error: out of memory building the model ({args.model}) and the engine on {args.device}: "
+            f"{first}; try a smaller --model, --num-pages or --dtype bfloat16",
+            file=sys.stderr,
+        )
+        return 1
     server = MetricsServer(args.metrics_port) if args.enable_metrics else None
     try:
         if server is not None:
