@@ -310,6 +310,7 @@ class Controller:
         self._next(req, ReqEvent.ALLOCATE, "allocate")
         if not self._make_room(Tier.L1, n):
             return None
+        self._live(req)  # NOTE: making room may wait on a mover that called release(req)
         pages = self.core.allocate_l1(n)
         if pages is None:
             return None
