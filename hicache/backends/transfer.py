@@ -122,6 +122,13 @@ def _clip(runs: Sequence[tuple[int, int]], a: int, b: int) -> Iterator[tuple[int
             yield max(first, a), min(end, b)
 
 
+def _count(name: str, value: object) -> int:
+    """``value`` if it is an int >= 0 (not a bool), else ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
 class _AllocationFailed(Exception):
     """Workspace or index memory could not be allocated (the ticket fails)."""
 
@@ -317,10 +324,7 @@ class TransferEngine:
         # On CPU only when asked for (tests of its address arithmetic).
         if copy_max_pages is not None and copy_max_pages < 0:
             raise ConfigError(f"copy_max_pages must be >= 0, got {copy_max_pages}")
-        for name, value in (("straight_runs", straight_runs), ("straight_max_pages", straight_max_pages)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
-        self.straight_runs = straight_runs
+        self.straight_runs = straight_runs  # the properties check them (here and when set later)
         self.straight_max_pages = straight_max_pages
         self.straight = 0  # layered H2Ds that went straight into L1
         self.copy_max_pages = (COPY_MAX_PAGES if self.cuda else 0) if copy_max_pages is None else copy_max_pages
@@ -473,6 +477,24 @@ class TransferEngine:
         return _Event(enable_timing=True), _Event(enable_timing=True)
 
     @property
+    def straight_runs(self) -> int:
+        """The most page runs a layered H2D copies straight into L1 (0: never)."""
+        return self._straight_runs
+
+    @straight_runs.setter
+    def straight_runs(self, value: int) -> None:
+        self._straight_runs = _count("straight_runs", value)
+
+    @property
+    def straight_max_pages(self) -> int:
+        """The most pages a layered H2D copies straight into L1 (0: never)."""
+        return self._straight_max_pages
+
+    @straight_max_pages.setter
+    def straight_max_pages(self, value: int) -> None:
+        self._straight_max_pages = _count("straight_max_pages", value)
+
+    @property
     def kernel_stream(self) -> Any:
         """The second stream of the ring pipeline (gathers and scatters of multi-chunk transfers)."""
         if self._kernel_stream is None and self.cuda:
@@ -538,10 +560,15 @@ class TransferEngine:
         self._order(src_fences, src, write=False)  # NOTE: may raise; nothing has changed yet
         self._order(dst_fences, dst, write=True)
         path, runs = self._plan(n, l2_pages, events is not None and self.layered)
+        straight = self._straight_plan(l1_pages, l2_pages) if path == "layered" and events is not None else None
         try:
-            if path != "copy":
-                self._setup(path)
-            path = self._issue(ticket, path, d2h, l1_pages, l2_pages, runs, events)
+            if straight is not None:  # NOTE: no ring, no page ids, no kernel: nothing to set up
+                assert events is not None
+                self._issue_straight(ticket, l1_pages, l2_pages, straight, events)
+            else:
+                if path != "copy":
+                    self._setup(path)
+                path = self._issue(ticket, path, d2h, l1_pages, l2_pages, runs, events)
         except _AllocationFailed as exc:
             self.allocation_failures += 1
             log.warning("hicache %s of %d pages failed: %s", direction.name, n, exc)
@@ -603,11 +630,6 @@ class TransferEngine:
         """Queue the copies (CPU: run them); returns the path taken, attaches the check."""
         if path == "copy":
             return self._issue_copy(ticket, d2h, l1_pages, l2_pages, events)
-        if path == "layered" and events is not None:
-            straight = self._straight_plan(l1_pages, l2_pages)
-            if straight is not None:
-                self._issue_straight(ticket, l1_pages, l2_pages, straight, events)
-                return path
         assert self._ids is not None
         n = len(l1_pages)
         zero_copy = path == "direct" or (path == "layered" and len(runs) > 1 and self.direct_usable)
@@ -714,8 +736,9 @@ class TransferEngine:
     ) -> None:
         """A layered H2D straight into L1: per layer group, per run and per K/V row of each
         of its layers, one strided DMA (a row of every page of the run: L2 rows a page
-        apart, L1 rows contiguous); then the group's distinct events. No workspace, no
-        kernel, one stream: the copy engine runs from one group to the next.
+        apart, L1 rows contiguous); then the group's distinct events. No ring (not even set
+        up), no page ids, no kernel, one stream: the copy engine runs from one group to the
+        next.
 
             L2  [pages, 2*layers, E]  row r of page q at (q * 2*layers + r) * slab
             L1  [2*layers, pages, E]  row r of page p at (r * pages + p) * slab
@@ -734,12 +757,11 @@ class TransferEngine:
             for lo, hi in self.layer_groups():
                 for row in itertools.chain(range(lo, hi), range(layers + lo, layers + hi)):
                     for dst, src, count in plan:
+                        rows = (dst + row * l1_row, slab, src + row * slab, l2_page, slab, count)
                         if timer is not None:
-                            dma.copy_rows_raw(
-                                dst + row * l1_row, slab, src + row * slab, l2_page, slab, count, self.stream
-                            )
+                            dma.copy_rows_raw(*rows, self.stream)
                         else:
-                            dma.copy_rows_host(dst + row * l1_row, slab, src + row * slab, l2_page, slab, count)
+                            dma.copy_rows_host(*rows)
                 for event in {id(e): e for e in events[lo:hi]}.values():
                     self._record_layer(event, self.stream)
         finally:

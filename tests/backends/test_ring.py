@@ -263,6 +263,7 @@ STRAIGHT_LAYOUTS = {  # (L2 pages, L1 pages, runs over which both step by one)
     "two runs": ([4, 5, 6, 7, 8, 15, 16, 17, 18], [10, 11, 12, 13, 14, 2, 3, 4, 5], 2),
     "three runs": ([4, 5, 6, 15, 16, 17, 20, 21, 22], [10, 11, 12, 2, 3, 4, 7, 8, 9], 3),
     "L2 consecutive, L1 not": (list(range(4, 13)), [10, 11, 12, 0, 1, 2, 20, 21, 22], 3),
+    "L1 consecutive, L2 not": ([4, 5, 6, 7, 8, 15, 16, 17, 18], list(range(10, 19)), 2),
 }
 
 
@@ -296,6 +297,7 @@ def test_a_layered_h2d_over_few_runs_goes_straight_into_l1(
     assert eng.h2d(l2_pages, dst, layer_events=events).wait()
     status = eng.status()
     assert status["paths"]["layered"] == 1 and status["straight_runs"] == straight_runs
+    assert status["straight_max_pages"] == max_pages
     assert status["straight"] == (1 if runs <= straight_runs and len(dst) <= max_pages else 0)
     for lo, hi in eng.layer_groups():
         for x in range(lo, hi):
@@ -308,9 +310,54 @@ def test_a_layered_h2d_over_few_runs_goes_straight_into_l1(
 @pytest.mark.parametrize("name", ["straight_runs", "straight_max_pages"])
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "2", None])
 def test_straight_limits_must_be_non_negative_ints(name: str, bad: object) -> None:
+    """At construction and when set later (the benchmarks set them on a built engine);
+    a refused value leaves the setting as it was."""
     l1, l2 = pools()
     with pytest.raises(ConfigError, match=name):
         TransferEngine(l1, l2, "torch", **{name: bad})  # type: ignore[arg-type]
+    eng = TransferEngine(l1, l2, "torch", straight_runs=1, straight_max_pages=5)
+    with pytest.raises(ConfigError, match=name):
+        setattr(eng, name, bad)
+    assert (eng.straight_runs, eng.straight_max_pages) == (1, 5)
+
+
+def test_a_straight_h2d_needs_no_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ring is set up for it: where the ring cannot be allocated, the straight H2D still
+    lands (bit-exact) and a ring transfer after it fails on the allocation."""
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+    l1, l2 = pools(24, layers=3)
+    eng = engine(l1, l2, 4, 2)
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("dtype") == l1.geometry.dtype and args[0] != ():  # the ring, not the index buffers
+            raise torch.OutOfMemoryError("no room for the ring")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    events = [FakeEvent(frozenset) for _ in range(3)]
+    assert eng.h2d([4, 5, 6], [10, 11, 12], layer_events=events).wait()
+    assert torch.equal(l1.slabs[:, [10, 11, 12]].transpose(0, 1), l2.slabs[[4, 5, 6]])
+    status = eng.status()
+    assert (status["straight"], status["workspaces"], status["workspace_device_bytes"]) == (1, 0, 0)
+    ring = eng.h2d([4, 5, 6], [1, 3, 7], layer_events=events)  # three runs: through the ring
+    assert ring.ok is False and "ring" in (ring.error or "")
+
+
+def test_a_straight_h2d_takes_its_injected_read_fault() -> None:
+    """A ``fail`` fault for reads fails the straight H2D's ticket once; the next one lands."""
+    from hicache.backends.faults import FaultInjector
+
+    faults = FaultInjector()
+    faults.add("fail", op="read")
+    l1, l2 = pools(24, layers=3)
+    eng = engine(l1, l2, 4, 2, faults=faults)
+    eng.__class__ = type("Layered", (TransferEngine,), {"layered": property(lambda self: True)})
+    events = [FakeEvent(frozenset) for _ in range(3)]
+    first = eng.h2d([4, 5, 6], [10, 11, 12], layer_events=events)
+    assert first.wait() is False and first.error == "injected transfer failure"
+    assert eng.h2d([4, 5, 6], [10, 11, 12], layer_events=events).wait()
+    assert eng.status()["straight"] == 2
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU pools need TRITON_INTERPRET=1")
