@@ -8,7 +8,7 @@ measured in the same run (median wall time of ``--reps``, synchronized):
    by rows of 1, 2, 4, 6, 12 and 36 layers (one K and one V DMA per group of layers);
 2. the engine's layered H2D of a consecutive and a fragmented run, by layer-group schedule,
    through the ring on one stream and split over two (``split_layered``), and straight into
-   one run of L1 pages (``straight_runs``);
+   one run of L1 pages (``straight_runs``), unpaced and paced (``straight_pace``);
 3. the default layered H2D beside a matmul loop on another stream (a stand-in forward);
 4. D2H/H2D of 4 to 128 pages through engines with other ring chunk sizes and paths;
 5. ``--profile N``: the N functions with the most own host time in 20 layered H2D enqueues.
@@ -134,21 +134,25 @@ def main(argv: list[str] | None = None) -> int:
         # the default schedule straight into one run of L1 pages (after the check: it
         # overwrites some of the pages checked)
         if (first, most) == (1, 8) and not split:
-            straight = TransferEngine(l1, l2, "auto", layer_group=first, max_layer_group=most, straight_max_pages=n)
-            one_run = list(range(n + 4, 2 * n + 4))
+            for pace in (False, True):
+                straight = TransferEngine(
+                    l1, l2, "auto", layer_group=first, max_layer_group=most, straight_max_pages=n, straight_pace=pace
+                )
+                one_run = list(range(n + 4, 2 * n + 4))
 
-            def straight_h2d(e: TransferEngine = straight, d: list[int] = one_run) -> None:
-                if not e.h2d(layouts["consecutive"], d, events).wait():
-                    raise RuntimeError("layered H2D failed")
+                def straight_h2d(e: TransferEngine = straight, d: list[int] = one_run) -> None:
+                    if not e.h2d(layouts["consecutive"], d, events).wait():
+                        raise RuntimeError("layered H2D failed")
 
-            t = wall(straight_h2d, reps)
-            same = torch.equal(
-                l1.slabs[:, n + 4 : 2 * n + 4].transpose(0, 1).cpu().view(torch.int16), l2.slabs[:n].view(torch.int16)
-            )
-            print(
-                f"  groups {first}->{most} straight    : {t * 1e3:7.3f} ms, {plain / t:.3f} of plain "
-                f"({straight.status()['straight']} straight; pages bit-identical: {same})"
-            )
+                t = wall(straight_h2d, reps)
+                same = torch.equal(
+                    l1.slabs[:, n + 4 : 2 * n + 4].transpose(0, 1).cpu().view(torch.int16),
+                    l2.slabs[:n].view(torch.int16),
+                )
+                print(
+                    f"  groups {first}->{most} straight{' paced' if pace else '      '}: {t * 1e3:7.3f} ms, "
+                    f"{plain / t:.3f} of plain ({straight.status()['straight']} straight; pages bit-identical: {same})"
+                )
 
     # 3. beside a matmul loop
     x = torch.randn(22, 4096, device="cuda", dtype=torch.bfloat16)

@@ -275,6 +275,7 @@ class TransferEngine:
         split_layered: bool = False,
         straight_runs: int = STRAIGHT_RUNS,
         straight_max_pages: int = STRAIGHT_MAX_PAGES,
+        straight_pace: bool = False,
     ) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ConfigError(f"transfer backend must be auto, triton or torch; got {backend!r}")
@@ -326,6 +327,13 @@ class TransferEngine:
             raise ConfigError(f"copy_max_pages must be >= 0, got {copy_max_pages}")
         self.straight_runs = straight_runs  # the properties check them (here and when set later)
         self.straight_max_pages = straight_max_pages
+        if not isinstance(straight_pace, bool):
+            raise ConfigError(f"straight_pace must be a bool, got {straight_pace!r}")
+        # NOTE: off by default, not yet measured on a GPU: a one-element kernel after each
+        # group's DMAs holds the next group's DMAs back until they landed, so the copy engine
+        # holds one group at a time, as the ring's scatters make it (STRAIGHT_RUNS).
+        self.straight_pace = straight_pace
+        self._pacer: torch.Tensor | None = None
         self.straight = 0  # layered H2Ds that went straight into L1
         self.copy_max_pages = (COPY_MAX_PAGES if self.cuda else 0) if copy_max_pages is None else copy_max_pages
         self.copy_usable = self.copy_max_pages > 0 and (dma.AVAILABLE or not self.cuda)
@@ -754,7 +762,8 @@ class TransferEngine:
             self._wait_caller()
             timer[0].record(self.stream)
         try:
-            for lo, hi in self.layer_groups():
+            groups = self.layer_groups()
+            for lo, hi in groups:
                 for row in itertools.chain(range(lo, hi), range(layers + lo, layers + hi)):
                     for dst, src, count in plan:
                         rows = (dst + row * l1_row, slab, src + row * slab, l2_page, slab, count)
@@ -762,6 +771,8 @@ class TransferEngine:
                             dma.copy_rows_raw(*rows, self.stream)
                         else:
                             dma.copy_rows_host(*rows)
+                if self.straight_pace and hi < layers:
+                    self._pace()
                 for event in {id(e): e for e in events[lo:hi]}.values():
                     self._record_layer(event, self.stream)
         finally:
@@ -774,6 +785,16 @@ class TransferEngine:
         self.straight += 1
         fault = self.faults.take("read", ("fail", "slow"))
         ticket.bind(self._checker(ticket, timer, fault.kind if fault else None, fault.delay_s if fault else 0.0))
+
+    def _pace(self) -> None:
+        """A one-element kernel on the transfer stream (``straight_pace``): the DMAs queued
+        after it start only once it ran, that is once the DMAs before it landed."""
+        if not self.cuda:
+            return
+        with torch.cuda.stream(self.stream):
+            if self._pacer is None:
+                self._pacer = torch.zeros(1, dtype=torch.int32, device=self.l1.device)
+            self._pacer.add_(1)
 
     def _checker(
         self, ticket: DeviceTicket, timer: tuple[Any, Any] | None, fault: str | None, delay: float
@@ -1072,6 +1093,7 @@ class TransferEngine:
             "straight_runs": self.straight_runs,
             "straight_max_pages": self.straight_max_pages,
             "straight": self.straight,
+            "straight_pace": self.straight_pace,
             "device": str(self.l1.device),
         }
 
