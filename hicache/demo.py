@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 
 from hicache.core import CacheCore, TierSizes
 from hicache.spec.model import Direction, Tier
@@ -42,7 +43,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     rng = random.Random(args.seed)
     need = args.prompt_tokens // ps
-    core = CacheCore(ps, TierSizes(l1_pages=need + need // 2, l2_pages=2 * need, l3_pages=4 * need), tracing=True)
+    # NOTE: L1 holds both prompts: with less, B's hit pins the run it shares with A, and for
+    # an odd page count nothing of A could then be evicted to make room for B.
+    core = CacheCore(ps, TierSizes(l1_pages=2 * need, l2_pages=2 * need, l3_pages=4 * need), tracing=True)
     system = tuple(rng.randrange(32000) for _ in range(args.prompt_tokens // 2))
     a = system + tuple(rng.randrange(32000) for _ in range(args.prompt_tokens - len(system)))
     b = system + tuple(rng.randrange(32000) for _ in range(args.prompt_tokens - len(system)))
@@ -88,4 +91,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BrokenPipeError:  # python -m hicache.demo | head
+        sys.stderr.close()

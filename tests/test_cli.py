@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hicache.engine import __main__ as cli_main
 from hicache.engine.cli import ineffective_flags
 from hicache.engine.engine import Engine, Output
+from hicache.errors import ConfigError
 from hicache.metrics_http import MetricsServer
 
 pytest.importorskip("transformers")
@@ -355,3 +356,17 @@ def test_an_l1_pool_too_large_to_allocate_is_a_flag_error(capsys: pytest.Capture
     lines = [ln for ln in err.splitlines() if not ln.startswith("warning: ")]
     assert code == 2 and out == "" and len(lines) == 1
     assert lines[0].startswith("error: --num-pages 99999999999999: cannot allocate the L1 pool of 99999999999999 pages")
+
+
+def test_paged_attention_on_a_cpu_is_a_flag_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Triton runs kernels on a CPU only interpreted (the tests set TRITON_INTERPRET=1);
+    without it ``--attention paged`` on cpu is refused up front, not deep inside Triton at
+    the first forward."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code, out, err = run_main(["--model", "tiny", "--device", "cpu", "--requests", "1", "--attention", "paged"], capsys)
+    assert (code, out) == (2, "")
+    assert err == "error: --attention paged: attention 'paged' needs a CUDA device (on CPU: 'gqa' or 'fold')\n"
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        Engine("tiny", device="cpu", attention="paged")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from hicache import demo
@@ -35,3 +37,17 @@ def test_bad_sizes_are_a_usage_error(argv: list[str], message: str, capsys: pyte
     assert exc.value.code == 2
     assert err.splitlines()[-1] == f"python -m hicache.demo: error: {message}"
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("page_size", "tokens"), [(16, 48), (16, 80), (16, 1008), (1, 3), (1, 5), (2, 7)])
+def test_the_demo_runs_for_any_prompt_of_at_least_two_pages(
+    page_size: int, tokens: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An odd number of pages, a partial last page: the demo still brings A back from L3."""
+    demo.main(["--page-size", str(page_size), "--prompt-tokens", str(tokens)])
+    out = capsys.readouterr().out
+    whole = tokens - tokens % page_size
+    (line,) = [x for x in out.splitlines() if x.strip().startswith("A after H2D")]
+    assert re.search(r"hit L1=\s*(\d+)", line) is not None
+    assert int(re.search(r"hit L1=\s*(\d+)", line).group(1)) == whole  # type: ignore[union-attr]
+    assert "check_integrity(): passed" in out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -302,6 +303,10 @@ class ModelRunner:
         attention = resolve_attention(attention, pool.device)
         if attention == "paged" and not paged.HAVE_TRITON:
             raise ConfigError("attention 'paged' needs triton")
+        if attention == "paged" and pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            # NOTE: Triton runs kernels on a CPU only interpreted (tests); without it the first
+            # forward raised deep inside Triton ("0 active drivers").
+            raise ConfigError("attention 'paged' needs a CUDA device (on CPU: 'gqa' or 'fold')")
         if cudnn not in ("off", "graphs", "on"):
             raise ConfigError(f"cudnn must be 'off', 'graphs' or 'on', got {cudnn!r}")
         self.net = net
