@@ -71,6 +71,21 @@ def at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in ``[low, high]`` (a size beyond ``high`` would only run the
+    machine out of memory after a long allocation)."""
+    least = at_least(low)
+
+    def parse(text: str) -> int:
+        value = least(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}")
+        return value
+
+    parse.__name__ = f"int in [{low}, {high}]"
+    return parse
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -110,12 +125,28 @@ def guarded(main: Callable[[], object]) -> None:
     except (HiCacheError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError subclasses
+        text = str(exc).strip()
+        if not (isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text):
+            raise
+        first = text.splitlines()[0] if text else type(exc).__name__
+        print(f"error: out of memory: {first}; try fewer or smaller pages", file=sys.stderr)
+        raise SystemExit(2) from None
     raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def tag_name(text: str) -> str:
+    """An argparse type: a file name suffix (checked before the run, not after it)."""
+    if not text or text in (".", "..") or "/" in text or "\0" in text or len(text) > 100:
+        raise argparse.ArgumentTypeError("must be a plain file name part (no '/', at most 100 characters)")
+    return text
 
 
 def add_out_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=out_dir, default=default_out(), help="directory for the JSON and PNG")
-    ap.add_argument("--tag", default=None, help="file name suffix (default: the device, e.g. h200 or cpu)")
+    ap.add_argument(
+        "--tag", type=tag_name, default=None, help="file name suffix (default: the device, e.g. h200 or cpu)"
+    )
 
 
 def versions() -> dict[str, str | None]:

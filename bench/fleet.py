@@ -30,7 +30,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Literal
 
-from common import at_least, guarded, out_dir
+from common import at_least, guarded, out_dir, tag_name
 from tqdm import tqdm
 
 from hicache.errors import ConfigError, MisuseError
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small run for tests (seconds)")
     default_out = Path(os.environ.get("HICACHE_BENCH_OUT", "/tmp/hicache-bench"))
     ap.add_argument("--out", type=out_dir, default=default_out)
-    ap.add_argument("--tag", default=None, help="file name tag (default: quick or sim)")
+    ap.add_argument("--tag", type=tag_name, default=None, help="file name tag (default: quick or sim)")
     args = ap.parse_args(argv)
     if args.quick:  # a smaller world: ~15x fewer requests, conversations and tier sizes
         args.requests, args.conversations, args.system_prompts = 6000, 300, 20

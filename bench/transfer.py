@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import at_least, guarded, out_dir, torch_device
+from common import at_least, between, guarded, out_dir, tag_name, torch_device
 
 from hicache.backends import kernels
 from hicache.backends.pools import DevicePool, HostPool
@@ -44,6 +44,7 @@ from hicache.core.geometry import KVGeometry
 
 QWEN3_8B = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
 SMALL = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+MAX_PAGES = 4096  # 9 GiB of Qwen3-8B pages per pool: the largest a transfer bench needs
 TARGETS = {1: 0.5, 4: 0.8, 16: 0.8, 64: 0.95, 256: 0.95, 1024: 0.95}  # ratio to the plain pinned copy
 LAYOUTS = ("consecutive", "fragmented")
 QUEUE_CYCLES = 2_000_000  # ~1 ms of GPU sleep: longer than any launch
@@ -336,7 +337,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
-        "--pages", type=at_least(1), nargs="+", default=None, help="default: 1..1024 on CUDA, 1 4 16 on CPU"
+        "--pages",
+        type=between(1, MAX_PAGES),
+        nargs="+",
+        default=None,
+        help=f"default: 1..1024 on CUDA, 1 4 16 on CPU (at most {MAX_PAGES})",
     )
     ap.add_argument("--reps", type=at_least(1), default=None, help="default: 10 on CUDA, 3 on CPU")
     ap.add_argument(
@@ -346,7 +351,7 @@ def main() -> None:
         help="transfer backend (default: auto on CUDA, torch on CPU)",
     )
     ap.add_argument("--out", type=out_dir, default=Path(os.environ.get("HICACHE_BENCH_OUT", "/tmp/hicache-bench")))
-    ap.add_argument("--tag", default=None, help="file name tag (default: h200, or the device)")
+    ap.add_argument("--tag", type=tag_name, default=None, help="file name tag (default: h200, or the device)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     if not cuda:

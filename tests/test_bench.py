@@ -110,6 +110,9 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
         (["transfer.py", "--device", "bogus"], "--device: not a torch device"),
         (["transfer.py", "--device", "mps"], "--device: the benchmarks run on cpu or cuda"),
         (["transfer.py", "--backend", "cuda"], "--backend: invalid choice"),
+        (["transfer.py", "--pages", "99999999999"], "--pages: must be at most 4096"),
+        (["transfer.py", "--tag", "a/b"], "--tag: must be a plain file name part"),
+        (["bench_hicache.py", "--tag", "a/b"], "--tag must be a plain file name part"),
         (["bench_hicache.py", "--straight-runs", "-1"], "--straight-runs must be at least 0"),
         (["storage.py", "--dir", "/nonexistent/hicache"], "--dir: not an existing directory"),
         (["core_ops.py", "--out", "/dev/null/x"], "--out: cannot create the directory"),
@@ -125,9 +128,27 @@ def test_a_bad_benchmark_flag_is_one_line_and_no_traceback(argv: list[str], says
     assert says in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
+def test_guarded_lets_another_runtime_error_through() -> None:
+    def main() -> None:
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        common.guarded(main)
+
+
 @pytest.mark.parametrize(
     ("exc", "code", "says"),
-    [(KeyboardInterrupt(), 130, "interrupted"), (OSError(28, "No space left"), 2, "error: [Errno 28] No space left")],
+    [
+        (KeyboardInterrupt(), 130, "interrupted"),
+        (OSError(28, "No space left"), 2, "error: [Errno 28] No space left"),
+        (
+            RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: 9 TB\nmore"),
+            2,
+            "error: out of memory: [enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+            "9 TB; try fewer or smaller pages",
+        ),
+        (MemoryError(), 2, "error: out of memory: MemoryError; try fewer or smaller pages"),
+    ],
 )
 def test_guarded_ends_a_benchmark_with_one_line(
     capsys: pytest.CaptureFixture[str], exc: BaseException, code: int, says: str
