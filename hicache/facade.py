@@ -181,11 +181,17 @@ class HiCache:
                 else DevicePool.allocate(g, config.l1_pages, config.device)
             )
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            raise ConfigError(f"cannot allocate the L1 pool of {config.l1_pages} pages (l1_pages): {exc}") from exc
+            raise ConfigError(
+                f"cannot allocate the L1 pool of {config.l1_pages} pages (l1_pages) of {g.page_size} tokens, "
+                f"{config.l1_pages * g.bytes_per_page / 2**30:.1f} GiB (page_size): {exc}"
+            ) from exc
         try:
             self.l2 = HostPool(g, max(1, config.l2_pages))
         except (RuntimeError, MemoryError) as exc:
-            raise ConfigError(f"cannot allocate the L2 pool of {config.l2_pages} pages (l2_pages): {exc}") from exc
+            raise ConfigError(
+                f"cannot allocate the L2 pool of {config.l2_pages} pages (l2_pages) of {g.page_size} tokens, "
+                f"{config.l2_pages * g.bytes_per_page / 2**30:.1f} GiB (page_size): {exc}"
+            ) from exc
         self.device = TransferEngine(self.l1, self.l2, config.transfer_backend, faults=self.faults)
         storage: StoreMover | None = None
         if config.l3_pages and store is not None:

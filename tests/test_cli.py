@@ -370,3 +370,14 @@ def test_paged_attention_on_a_cpu_is_a_flag_error(
     assert err == "error: --attention paged: attention 'paged' needs a CUDA device (on CPU: 'gqa' or 'fold')\n"
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         Engine("tiny", device="cpu", attention="paged")
+
+
+def test_an_l1_pool_too_large_for_its_page_size_names_both_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """A page size that makes the default L1 pool too large: the line names the pool's pages,
+    their size in tokens and GiB, and --page-size."""
+    code, _, err = run_main(
+        ["--model", "tiny", "--device", "cpu", "--requests", "1", "--page-size", "100000000"], capsys
+    )
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: --num-pages 4096: cannot allocate the L1 pool of 4096 pages")
+    assert "of 100000000 tokens, 195312.5 GiB (--page-size)" in err
