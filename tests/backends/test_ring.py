@@ -39,6 +39,18 @@ def engine(l1: DevicePool, l2: HostPool, chunk_pages: int, chunks: int, **kw: An
     return TransferEngine(l1, l2, chunk_bytes=chunk_pages * l1.geometry.bytes_per_page, chunks=chunks, **kw)
 
 
+def no_room_for_the_ring(monkeypatch: pytest.MonkeyPatch, l1: DevicePool) -> None:
+    """From now on, allocating the ring (not the index buffers) raises out of memory."""
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("dtype") == l1.geometry.dtype and args[0] != ():  # the ring, not the index buffers
+            raise torch.OutOfMemoryError("no room for the ring")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
 def l1_rows(l1: DevicePool, pages: list[int]) -> torch.Tensor:
     """L1 pages in L2 page layout ``[n, 2*layers, E]``."""
     return l1.slabs[:, pages].transpose(0, 1).clone()
@@ -195,14 +207,7 @@ def test_a_direct_transfer_goes_on_without_the_ring(monkeypatch: pytest.MonkeyPa
     still work, and a ring transfer fails its ticket."""
     l1, l2 = pools()
     eng = TransferEngine(l1, l2, "triton", direct_max_bytes=4 * l1.geometry.bytes_per_page)
-    real = torch.empty
-
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("dtype") == l1.geometry.dtype and args[0] != ():  # the ring, not the index buffers
-            raise torch.OutOfMemoryError("no room for the ring")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "empty", empty)
+    no_room_for_the_ring(monkeypatch, l1)
     want = l1_rows(l1, [1, 2])
     assert eng.d2h([1, 2], [5, 9]).wait()
     assert torch.equal(l2.slabs[[5, 9]], want)
@@ -360,14 +365,7 @@ def test_a_straight_h2d_needs_no_ring(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
     l1, l2 = pools(24, layers=3)
     eng = engine(l1, l2, 4, 2)
-    real = torch.empty
-
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("dtype") == l1.geometry.dtype and args[0] != ():  # the ring, not the index buffers
-            raise torch.OutOfMemoryError("no room for the ring")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "empty", empty)
+    no_room_for_the_ring(monkeypatch, l1)
     events = [FakeEvent(frozenset) for _ in range(3)]
     assert eng.h2d([4, 5, 6], [10, 11, 12], layer_events=events).wait()
     assert torch.equal(l1.slabs[:, [10, 11, 12]].transpose(0, 1), l2.slabs[[4, 5, 6]])
