@@ -728,9 +728,6 @@ class TransferEngine:
         hands out consecutive runs when it can)."""
         if not self.straight_runs or len(l1_pages) > self.straight_max_pages:
             return None
-        n = len(l1_pages)
-        if page_runs(l1_pages) == [(0, n)] and page_runs(l2_pages) == [(0, n)]:
-            return [(0, n)]
         runs = coalesce(l1_pages, l2_pages)
         return runs if len(runs) <= self.straight_runs else None
 
@@ -762,8 +759,7 @@ class TransferEngine:
             self._wait_caller()
             timer[0].record(self.stream)
         try:
-            groups = self.layer_groups()
-            for lo, hi in groups:
+            for lo, hi in self.layer_groups():
                 for row in itertools.chain(range(lo, hi), range(layers + lo, layers + hi)):
                     for dst, src, count in plan:
                         rows = (dst + row * l1_row, slab, src + row * slab, l2_page, slab, count)
