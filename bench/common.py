@@ -115,7 +115,7 @@ def torch_device(text: str) -> str:
 def guarded(main: Callable[[], object]) -> None:
     """Run a benchmark's ``main``: Ctrl-C ends it with "interrupted" (exit 130) and a
     hicache refusal or an OS error with one ``error:`` line (exit 2), not a traceback."""
-    from hicache.errors import HiCacheError
+    from hicache.errors import HiCacheError, is_out_of_memory
 
     try:
         code = main()
@@ -127,7 +127,7 @@ def guarded(main: Callable[[], object]) -> None:
         raise SystemExit(2) from None
     except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError subclasses
         text = str(exc).strip()
-        if not (isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text):
+        if not is_out_of_memory(exc):
             raise
         first = text.splitlines()[0] if text else type(exc).__name__
         print(f"error: out of memory: {first}; try fewer or smaller pages", file=sys.stderr)

@@ -41,3 +41,10 @@ class IntegrityError(HiCacheError):
         self.invariant = invariant
         self.where = where
         self.detail = detail
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure as Python or torch reports one (host:
+    MemoryError or "can't allocate memory"; device: torch.OutOfMemoryError, "out of memory")."""
+    text = str(exc)
+    return isinstance(exc, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()

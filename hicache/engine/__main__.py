@@ -18,7 +18,6 @@ import sys
 import time
 from collections import Counter
 
-import torch
 import xxhash
 from tqdm import tqdm
 
@@ -36,6 +35,7 @@ from hicache.engine.cli import (
     warn,
 )
 from hicache.engine.engine import Engine, Output
+from hicache.errors import is_out_of_memory
 from hicache.metrics_http import MetricsServer
 
 PUBLISH_EVERY_S = 0.5  # how stale /metrics may be while the workload runs
@@ -124,14 +124,6 @@ def report(engine: Engine, outs: list[Output], wall: float) -> Counter[str]:
     return failed
 
 
-def _out_of_memory(exc: BaseException) -> bool:
-    """An allocation failure (host or device), as torch reports one."""
-    text = str(exc)
-    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
-        "can't allocate memory" in text or "out of memory" in text.lower()
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -155,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError subclasses
-        if not _out_of_memory(exc):
+        if not is_out_of_memory(exc):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(
