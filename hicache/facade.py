@@ -30,7 +30,7 @@ from hicache.core.geometry import DevicePage, KVGeometry, TierSizes
 from hicache.core.keys import format_seed
 from hicache.core.metrics import Metrics
 from hicache.core.status import ControllerStatus
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, MisuseError
 
 # Storage I/O threads: each is a blocking reader or writer; more than this only adds threads
 # (a typo such as 10**9 would otherwise try to start them all).
@@ -322,6 +322,8 @@ class HiCache:
         self.controller.close()
 
     def __enter__(self) -> HiCache:
+        if self.closed:
+            raise MisuseError("this HiCache is closed")
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -76,3 +76,14 @@ def test_a_store_factory_that_does_not_return_a_page_store_is_a_config_error() -
 
     with pytest.raises(ConfigError, match="no such device"):
         HiCache(cfg, store=broken)  # type: ignore[arg-type]
+
+
+def test_a_closed_cache_cannot_be_entered_again() -> None:
+    """``with cache:`` after close raises instead of handing back a cache that refuses
+    every call; entering an open one twice still works."""
+    cache = HiCache(HiCacheConfig(G, l1_pages=4, l2_pages=8, device="cpu"))
+    with cache as entered:
+        assert entered is cache
+    assert cache.closed
+    with pytest.raises(MisuseError, match=r"^this HiCache is closed$"), cache:
+        pass

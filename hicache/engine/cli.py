@@ -254,7 +254,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         "--hicache-write-policy",
         choices=["write_through", "write_through_selective", "write_back"],
         default="write_through",
-        help="when L1 pages are backed up to L2: at once, once reused, or on eviction",
+        help="when L1 pages are backed up to L2: at once, once matched in L1 twice (selective), or on eviction",
     )
     h.add_argument(
         "--hicache-verify-pages", action="store_true", help="digest-check every moved page (slow; for debugging)"
