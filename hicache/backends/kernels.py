@@ -362,6 +362,42 @@ def load_layers_triton(
     )
 
 
+if HAVE_TRITON:
+
+    @triton.jit
+    def _upload_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = at < n
+        tl.store(dst_ptr + at, tl.load(src_ptr + at, mask=mask), mask=mask)
+
+
+UPLOAD_BLOCK = 1024
+
+
+def upload_triton(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a small pinned host ``src`` and a device ``dst`` (1-D, same
+    dtype and length), by the SMs reading ``src`` in place instead of by a DMA.
+
+    NOTE: a DMA queues on the copy engine behind every copy issued before it, so a
+    forward's few bytes of metadata uploaded while a restore streams hundreds of MiB H2D
+    would start only once the restore had landed (the layered prefill ran after the whole
+    copy, and decode stalled beside it). A kernel queues only behind its own stream."""
+    if not HAVE_TRITON:
+        raise ConfigError("triton is not installed")
+    if dst.dim() != 1 or src.dim() != 1 or dst.numel() != src.numel() or dst.dtype != src.dtype:
+        raise ConfigError(
+            f"upload needs 1-D tensors of one length and dtype, got {src.dtype} {tuple(src.shape)} -> "
+            f"{dst.dtype} {tuple(dst.shape)}"
+        )
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        raise ConfigError("upload needs contiguous tensors")
+    if dst.is_cuda and not src.is_cuda and not src.is_pinned():
+        raise ConfigError("a CUDA upload reads host memory in place: src must be pinned")
+    n = dst.numel()
+    if n:
+        _upload_kernel[(triton.cdiv(n, UPLOAD_BLOCK),)](src, dst, n, BLOCK=UPLOAD_BLOCK, num_warps=4)
+
+
 def warm_load_layers(
     dst: torch.Tensor,
     groups: Sequence[tuple[int, int]],

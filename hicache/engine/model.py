@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hicache.backends import dma
+from hicache.backends import dma, kernels
 from hicache.backends.pools import DevicePool
 from hicache.core.geometry import KVGeometry
 from hicache.engine import attention as paged
@@ -352,6 +352,13 @@ class ModelRunner:
             self._side = _own_stream(pool.device, priority=-1)
             self._capture_stream = _own_stream(pool.device, priority=0)
             self._layered_done = make()
+            if kernels.HAVE_TRITON:  # compile the upload's variants (n == 1, n % 16 == 0, else) now
+                for n in (1, 16, 17):
+                    kernels.upload_triton(
+                        torch.empty(n, dtype=torch.int64, device=pool.device),
+                        torch.zeros(n, dtype=torch.int64, pin_memory=True),
+                    )
+                torch.cuda.synchronize(pool.device)  # the pinned sources may be reused once freed
         self.closed = False
 
     def close(self) -> None:
@@ -522,7 +529,10 @@ class ModelRunner:
                 assert self._dev is not None
                 target = self._dev
             dev = target[:n]
-            dev.copy_(self._host[:n], non_blocking=True)
+            if kernels.HAVE_TRITON:  # not a DMA: see kernels.upload_triton
+                kernels.upload_triton(dev, self._host[:n])
+            else:
+                dev.copy_(self._host[:n], non_blocking=True)
             self._copied.record()
         out, at = [], 0
         for p in parts:
