@@ -75,7 +75,6 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         engine.cache.device.straight_runs = args.straight_runs
     if args.straight_max_pages is not None:
         engine.cache.device.straight_max_pages = args.straight_max_pages
-    engine.cache.device.straight_pace = args.straight_pace
     rng = random.Random(prefix)
     vocab = int(net.config.vocab_size)  # type: ignore[union-attr, arg-type]
     prefixes = [[rng.randrange(vocab) for _ in range(prefix)] for _ in range(2)]
@@ -237,11 +236,6 @@ def main(argv: list[str] | None = None) -> None:
         type=at_least(0),
         default=None,
         help="the most pages a layered restore copies straight into L1 (default: TransferEngine's)",
-    )
-    b.add_argument(
-        "--straight-pace",
-        action="store_true",
-        help="a one-element kernel after each layer group's straight DMAs (TransferEngine.straight_pace)",
     )
     add_out_args(ap)
     args = ap.parse_args(argv)

@@ -192,7 +192,7 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
         "prefetch": engine.prefetch,
         "transfer": {
             k: engine.cache.device.status()[k]
-            for k in ("gather", "scatter", "split_layered", "straight_runs", "straight_max_pages", "straight_pace")
+            for k in ("gather", "scatter", "split_layered", "straight_runs", "straight_max_pages")
         },
     }
 

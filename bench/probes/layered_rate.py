@@ -8,8 +8,9 @@ measured in the same run (median wall time of ``--reps``, synchronized):
    by rows of 1, 2, 4, 6, 12 and 36 layers (one K and one V DMA per group of layers);
 2. the engine's layered H2D of a consecutive and a fragmented run, by layer-group schedule,
    through the ring on one stream and split over two (``split_layered``), and straight into
-   one run of L1 pages (``straight_runs``), unpaced and paced (``straight_pace``);
-3. the default layered H2D beside a matmul loop on another stream (a stand-in forward);
+   one run of L1 pages (``straight_runs``);
+3. a plain copy, the straight and the ring layered H2D beside a matmul loop on another
+   stream (a stand-in forward: does the copy slow down beside it?);
 4. D2H/H2D of 4 to 128 pages through engines with other ring chunk sizes and paths;
 5. ``--profile N``: the N functions with the most own host time in 20 layered H2D enqueues.
 
@@ -134,25 +135,22 @@ def main(argv: list[str] | None = None) -> int:
         # the default schedule straight into one run of L1 pages (after the check: it
         # overwrites some of the pages checked)
         if (first, most) == (1, 8) and not split:
-            for pace in (False, True):
-                straight = TransferEngine(
-                    l1, l2, "auto", layer_group=first, max_layer_group=most, straight_max_pages=n, straight_pace=pace
-                )
-                one_run = list(range(n + 4, 2 * n + 4))
+            straight = TransferEngine(l1, l2, "auto", layer_group=first, max_layer_group=most, straight_max_pages=n)
+            one_run = list(range(n + 4, 2 * n + 4))
 
-                def straight_h2d(e: TransferEngine = straight, d: list[int] = one_run) -> None:
-                    if not e.h2d(layouts["consecutive"], d, events).wait():
-                        raise RuntimeError("layered H2D failed")
+            def straight_h2d(e: TransferEngine = straight, d: list[int] = one_run) -> None:
+                if not e.h2d(layouts["consecutive"], d, events).wait():
+                    raise RuntimeError("layered H2D failed")
 
-                t = wall(straight_h2d, reps)
-                same = torch.equal(
-                    l1.slabs[:, n + 4 : 2 * n + 4].transpose(0, 1).cpu().view(torch.int16),
-                    l2.slabs[:n].view(torch.int16),
-                )
-                print(
-                    f"  groups {first}->{most} straight{' paced' if pace else '      '}: {t * 1e3:7.3f} ms, "
-                    f"{plain / t:.3f} of plain ({straight.status()['straight']} straight; pages bit-identical: {same})"
-                )
+            t = wall(straight_h2d, reps)
+            same = torch.equal(
+                l1.slabs[:, n + 4 : 2 * n + 4].transpose(0, 1).cpu().view(torch.int16),
+                l2.slabs[:n].view(torch.int16),
+            )
+            print(
+                f"  groups {first}->{most} straight   : {t * 1e3:7.3f} ms, {plain / t:.3f} of plain "
+                f"({straight.status()['straight']} straight; pages bit-identical: {same})"
+            )
 
     # 3. beside a matmul loop
     x = torch.randn(22, 4096, device="cuda", dtype=torch.bfloat16)
@@ -164,7 +162,43 @@ def main(argv: list[str] | None = None) -> int:
             x @ weights[i % 4]
 
     alone = wall(compute, reps)
-    print(f"\n3. beside a matmul loop ({alone * 1e3:.2f} ms alone)")
+    print(f"\n3. beside a matmul loop ({alone * 1e3:.2f} ms alone; it reads 100 MiB of weights per matmul)")
+    timed: list[float] = []
+
+    def plain_beside(out_: list[float] = timed) -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            compute()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        a.record()
+        plain_h2d()
+        b.record()
+        b.synchronize()
+        torch.cuda.current_stream().wait_stream(side)
+        out_.append(a.elapsed_time(b) / 1e3)
+
+    total = wall(plain_beside, reps)
+    print(
+        f"  plain copy              : both {total * 1e3:7.3f} ms; H2D service "
+        f"{statistics.median(timed) * 1e3:7.3f} ms, {plain / statistics.median(timed):.3f} of plain"
+    )
+    straight = TransferEngine(l1, l2, "auto", straight_max_pages=n)
+    spans_straight: list[float] = []
+
+    def straight_beside(out_: list[float] = spans_straight) -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            compute()
+        t = straight.h2d(layouts["consecutive"], list(range(n + 4, 2 * n + 4)), events)
+        t.wait()
+        torch.cuda.current_stream().wait_stream(side)
+        out_.append(t.timings.service_s)
+
+    total = wall(straight_beside, reps)
+    print(
+        f"  consecutive  straight  : both {total * 1e3:7.3f} ms; H2D service "
+        f"{statistics.median(spans_straight) * 1e3:7.3f} ms, {plain / statistics.median(spans_straight):.3f} of plain"
+    )
     for (name, src), split in itertools.product(layouts.items(), (False, True)):
         engine = TransferEngine(l1, l2, "auto", split_layered=split)
         spans: list[float] = []

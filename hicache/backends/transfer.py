@@ -96,12 +96,12 @@ COPY_MAX_PAGES = 32
 # A layered H2D of at most STRAIGHT_MAX_PAGES pages whose pages form at most STRAIGHT_RUNS
 # runs in both pools goes straight into L1: 2 x layers strided DMAs per run (rows of one
 # page-layer, 32 KiB for Qwen3-8B), no ring and no scatter; beyond STRAIGHT_RUNS the DMA
-# count grows with the runs. On the H200 a 22-page restore took 9.2 ms this way against
-# 10.0 through the ring, with less host time; a 219-page one took 19.4 against 13.4: all its
-# DMAs go to the copy engine at once, and the layered prefill finished only after the whole
-# copy (likely its own input upload queued behind them; the ring's scatters pace the DMAs).
+# count grows with the runs. Alone it runs at 0.97 of a plain copy against 0.89 through the
+# ring (bench/probes/layered_rate.py, 219 pages on an H200). The cap keeps one restore from
+# holding the copy engine for longer than a few tens of milliseconds: longer restores go
+# through the ring, chunk by chunk.
 STRAIGHT_RUNS = 2
-STRAIGHT_MAX_PAGES = 32
+STRAIGHT_MAX_PAGES = 256
 # torch.cuda's Stream and Event constructors are unannotated; use them through Any.
 _Stream: Any = torch.cuda.Stream
 _Event: Any = torch.cuda.Event
@@ -275,7 +275,6 @@ class TransferEngine:
         split_layered: bool = False,
         straight_runs: int = STRAIGHT_RUNS,
         straight_max_pages: int = STRAIGHT_MAX_PAGES,
-        straight_pace: bool = False,
     ) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ConfigError(f"transfer backend must be auto, triton or torch; got {backend!r}")
@@ -327,13 +326,6 @@ class TransferEngine:
             raise ConfigError(f"copy_max_pages must be >= 0, got {copy_max_pages}")
         self.straight_runs = straight_runs  # the properties check them (here and when set later)
         self.straight_max_pages = straight_max_pages
-        if not isinstance(straight_pace, bool):
-            raise ConfigError(f"straight_pace must be a bool, got {straight_pace!r}")
-        # NOTE: off by default, not yet measured on a GPU: a one-element kernel after each
-        # group's DMAs holds the next group's DMAs back until they landed, so the copy engine
-        # holds one group at a time, as the ring's scatters make it (STRAIGHT_RUNS).
-        self.straight_pace = straight_pace
-        self._pacer: torch.Tensor | None = None
         self.straight = 0  # layered H2Ds that went straight into L1
         self.copy_max_pages = (COPY_MAX_PAGES if self.cuda else 0) if copy_max_pages is None else copy_max_pages
         self.copy_usable = self.copy_max_pages > 0 and (dma.AVAILABLE or not self.cuda)
@@ -767,8 +759,6 @@ class TransferEngine:
                             dma.copy_rows_raw(*rows, self.stream)
                         else:
                             dma.copy_rows_host(*rows)
-                if self.straight_pace and hi < layers:
-                    self._pace()
                 for event in {id(e): e for e in events[lo:hi]}.values():
                     self._record_layer(event, self.stream)
         finally:
@@ -781,16 +771,6 @@ class TransferEngine:
         self.straight += 1
         fault = self.faults.take("read", ("fail", "slow"))
         ticket.bind(self._checker(ticket, timer, fault.kind if fault else None, fault.delay_s if fault else 0.0))
-
-    def _pace(self) -> None:
-        """A one-element kernel on the transfer stream (``straight_pace``): the DMAs queued
-        after it start only once it ran, that is once the DMAs before it landed."""
-        if not self.cuda:
-            return
-        with torch.cuda.stream(self.stream):
-            if self._pacer is None:
-                self._pacer = torch.zeros(1, dtype=torch.int32, device=self.l1.device)
-            self._pacer.add_(1)
 
     def _checker(
         self, ticket: DeviceTicket, timer: tuple[Any, Any] | None, fault: str | None, delay: float
@@ -1089,7 +1069,6 @@ class TransferEngine:
             "straight_runs": self.straight_runs,
             "straight_max_pages": self.straight_max_pages,
             "straight": self.straight,
-            "straight_pace": self.straight_pace,
             "device": str(self.l1.device),
         }
 

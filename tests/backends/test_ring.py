@@ -326,39 +326,6 @@ def test_straight_limits_must_be_non_negative_ints(name: str, bad: object) -> No
     assert (eng.straight_runs, eng.straight_max_pages) == (1, 5)
 
 
-@pytest.mark.parametrize("pace", [False, True])
-def test_a_paced_straight_h2d_paces_between_groups_only(monkeypatch: pytest.MonkeyPatch, pace: bool) -> None:
-    """With ``straight_pace`` the transfer stream gets one pacing kernel after each layer
-    group's DMAs but the last, each once that group's layers of every page (and no later
-    layer) have landed; without it, none. The pages land bit-exact either way."""
-    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
-    l1, l2 = pools(24, layers=7, seed=3)
-    eng = engine(l1, l2, 4, 2, layer_group=1, max_layer_group=4, straight_pace=pace)
-    layers = l1.geometry.num_layers
-    src, dst = list(range(4, 13)), list(range(10, 19))
-    want = l2.slabs[src].clone()
-    seen: list[frozenset[int]] = []
-
-    def landed() -> frozenset[int]:
-        got = l1.slabs[:, dst].transpose(0, 1)
-        return frozenset(x for x in range(layers) if torch.equal(got[:, [x, layers + x]], want[:, [x, layers + x]]))
-
-    monkeypatch.setattr(eng, "_pace", lambda: seen.append(landed()))
-    l1.slabs.zero_()
-    assert eng.h2d(src, dst, layer_events=[FakeEvent(landed) for _ in range(layers)]).wait()
-    groups = eng.layer_groups()
-    assert len(groups) > 2 and eng.status()["straight"] == 1 and eng.status()["straight_pace"] is pace
-    assert seen == ([frozenset(range(hi)) for _, hi in groups[:-1]] if pace else [])
-    assert torch.equal(l1.slabs[:, dst].transpose(0, 1), want)
-
-
-@pytest.mark.parametrize("bad", [1, None, "yes"])
-def test_straight_pace_must_be_a_bool(bad: object) -> None:
-    l1, l2 = pools()
-    with pytest.raises(ConfigError, match="straight_pace must be a bool"):
-        TransferEngine(l1, l2, "torch", straight_pace=bad)  # type: ignore[arg-type]
-
-
 def test_a_straight_h2d_needs_no_ring(monkeypatch: pytest.MonkeyPatch) -> None:
     """No ring is set up for it: where the ring cannot be allocated, the straight H2D still
     lands (bit-exact) and a ring transfer after it fails on the allocation."""

@@ -91,17 +91,15 @@ def test_copy_rows_copies_strided_host_rows() -> None:
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("l2_pages", [list(range(20, 25)), [30, 2, 17, 18, 5]])
 @pytest.mark.parametrize("l1_pages", [[6, 1, 9, 10, 3], [40, 41, 42, 43, 44]], ids=["l1-scattered", "l1-run"])
-@pytest.mark.parametrize("pace", [False, True], ids=["unpaced", "paced"])
 def test_layered_h2d_lands_every_page_and_signals_every_layer(
-    backend: TransferBackend, l2_pages: list[int], l1_pages: list[int], pace: bool
+    backend: TransferBackend, l2_pages: list[int], l1_pages: list[int]
 ) -> None:
-    """Through the ring, or straight into L1 when both sides are one run (``straight``,
-    with or without ``straight_pace``)."""
+    """Through the ring, or straight into L1 when both sides are one run (``straight``)."""
     g = KVGeometry(5, 2, 64, 16, torch.bfloat16)
     dev = DevicePool.allocate(g, 64, "cuda")
     host = HostPool(g, 64)
     host.page_buffer.copy_(torch.randn(host.page_buffer.shape).to(g.dtype))
-    engine = TransferEngine(dev, host, backend, layer_group=2, scatter_programs=3, straight_pace=pace)
+    engine = TransferEngine(dev, host, backend, layer_group=2, scatter_programs=3)
     events: list[Any] = [torch.cuda.Event() for _ in range(g.num_layers)]  # type: ignore[no-untyped-call]
     engine.h2d(l2_pages, l1_pages, layer_events=events).wait()  # allocations (they synchronize) first
     with torch.cuda.stream(engine.stream):
