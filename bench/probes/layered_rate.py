@@ -182,6 +182,45 @@ def main(argv: list[str] | None = None) -> int:
         f"  plain copy              : both {total * 1e3:7.3f} ms; H2D service "
         f"{statistics.median(timed) * 1e3:7.3f} ms, {plain / statistics.median(timed):.3f} of plain"
     )
+    marks = [torch.cuda.Event() for _ in range(9)]  # type: ignore[no-untyped-call]
+
+    def row_dmas(c: int, record: bool = False) -> Callable[[], None]:
+        def go() -> None:
+            for lo in range(0, layers, c):
+                for kv in (0, 1):
+                    dst_at = out + (lo * 2 + kv * c) * slab * n
+                    src_at = base + (kv * layers + lo) * slab
+                    dma.copy_rows_raw(dst_at, c * slab, src_at, pitch, c * slab, n, stream)
+                if record and lo % 4 == 3:
+                    marks[lo // 4].record(stream)
+
+        return go
+
+    for label, fn in (
+        ("rows of 1 layer, 72 DMAs  ", row_dmas(1)),
+        ("rows of 1 layer + 9 events", row_dmas(1, record=True)),
+        ("rows of 36 layers, 2 DMAs ", row_dmas(36)),
+    ):
+        row_spans: list[float] = []
+
+        def rows_beside(f: Callable[[], None] = fn, out_: list[float] = row_spans) -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                compute()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            a.record()
+            f()
+            b.record()
+            b.synchronize()
+            torch.cuda.current_stream().wait_stream(side)
+            out_.append(a.elapsed_time(b) / 1e3)
+
+        wall(rows_beside, reps)
+        alone_t = wall(fn, reps)
+        print(
+            f"  {label}: H2D service {statistics.median(row_spans) * 1e3:7.3f} ms beside, "
+            f"{plain / statistics.median(row_spans):.3f} of plain ({plain / alone_t:.3f} alone)"
+        )
     straight = TransferEngine(l1, l2, "auto", straight_max_pages=n)
     spans_straight: list[float] = []
 
