@@ -10,6 +10,7 @@ import torch
 
 from hicache import HiCache, HiCacheConfig
 from hicache.core.geometry import KVGeometry
+from hicache.engine import Engine
 from hicache.errors import ConfigError, MisuseError
 
 G = KVGeometry(2, 1, 4, 4, torch.float32)
@@ -87,3 +88,11 @@ def test_a_closed_cache_cannot_be_entered_again() -> None:
     assert cache.closed
     with pytest.raises(MisuseError, match=r"^this HiCache is closed$"), cache:
         pass
+
+
+@pytest.mark.parametrize("pages", [0, -3, "x", True, 2.0, None])
+def test_a_bad_num_pages_is_refused_by_its_own_name(pages: object) -> None:
+    """The engine's keyword is ``num_pages``: its refusal names that, not the cache's
+    ``l1_pages`` it becomes."""
+    with pytest.raises(ConfigError, match=r"num_pages \(L1 pages\) must be an int >= 1"):
+        Engine("tiny", num_pages=pages)

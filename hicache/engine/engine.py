@@ -229,6 +229,8 @@ class EngineConfig:
             raise ConfigError(f"enable_hicache must be a bool, got {enable_hicache!r}")
         if enable_hicache and not l2_pages:
             raise ConfigError("enable_hicache needs l2_pages > 0")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ConfigError(f"num_pages (L1 pages) must be an int >= 1, got {num_pages!r}")
         _check_seed(engine.get("seed", 0))
         unknown = set(engine) - {f.name for f in dataclasses.fields(cls)} | ({"cache", "model"} & set(engine))
         if unknown:
