@@ -6,6 +6,7 @@ import argparse
 import itertools
 import os
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from hicache.backends.transfer import TransferEngine
 from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
 from hicache.engine.attention import HAVE_TRITON
 from hicache.engine.cli import add_engine_args
+from hicache.engine.engine import Output, SeqState
 from hicache.engine.model import AttentionImpl, PagedBatch, _folded, fold_mask, resolve_attention, visible
 from hicache.errors import ConfigError, MisuseError
 from hicache.spec.model import Direction, Tier
@@ -532,3 +534,90 @@ def test_an_idle_step_waits_for_the_first_restore_copy_instead_of_sleeping(
     del e._active[1]
     monkeypatch.undo()
     e.close()
+
+
+def _order_of(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the engine's forwards (``prefill`` / ``decode``) and restore starts in order."""
+    seen: list[str] = []
+    forward, start = e.runner.forward, e.cache.start_restore
+
+    def fwd(seqs: Any, **kw: Any) -> torch.Tensor:
+        seen.append("decode" if all(len(s[0]) == 1 and s[2] > 0 for s in seqs) else "prefill")
+        return forward(seqs, **kw)
+
+    def started(*args: Any, **kw: Any) -> Any:
+        seen.append("start")
+        return start(*args, **kw)
+
+    monkeypatch.setattr(e.runner, "forward", fwd)
+    monkeypatch.setattr(e.cache, "start_restore", started)
+    return seen
+
+
+def test_a_restore_admitted_beside_decode_starts_after_the_batch_is_launched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With requests decoding, a restore admitted in a step starts after that step's decode
+    batch is launched and before its tokens are read (its host work runs beside the batch
+    on a GPU); the restored request still gets the L1 hit's tokens."""
+    e = engine(max_batch=4)
+    rng = random.Random(7)
+    prompt = [rng.randrange(512) for _ in range(50)]
+    l1 = e.generate(prompt, max_new_tokens=3)
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    decoder = e.submit([rng.randrange(512) for _ in range(9)], max_new_tokens=40)
+    while e.state_of(decoder) is not SeqState.DECODING:
+        e.step()
+    seen = _order_of(e, monkeypatch)
+    rid = e.submit(prompt, max_new_tokens=3)
+    e.step()  # admits it: its restore starts beside this step's decode batch
+    assert seen == ["decode", "start"], seen
+    assert e.state_of(rid) is SeqState.RESTORING
+    outs = e.run()
+    mine = next(o for o in outs if o.id == rid)
+    assert (mine.restored_from, mine.tokens) == ("L2", l1.tokens)
+    assert e.stats.restore_issue_s_beside_decode > 0
+    e.cache.check_integrity()
+
+
+def test_without_decode_a_restore_starts_before_the_steps_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing decoding: the admitted restore starts at once, before any forward of the
+    step (no batch to hide it behind, none to delay it)."""
+    e = engine()
+    prompt = [random.Random(8).randrange(512) for _ in range(50)]
+    e.generate(prompt, max_new_tokens=2)
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    seen = _order_of(e, monkeypatch)
+    out = e.generate(prompt, max_new_tokens=2)
+    assert out.restored_from == "L2" and seen[0] == "start" and "decode" in seen
+    assert e.stats.restore_issue_s_beside_decode == 0
+
+
+@pytest.mark.parametrize("decoding", [False, True])
+def test_a_restore_whose_start_is_refused_recomputes(monkeypatch: pytest.MonkeyPatch, decoding: bool) -> None:
+    """``start_restore`` refusing (None) leaves the request ready to recompute, with or
+    without a decode batch beside the start: it finishes with the tokens of a cold run."""
+    e = engine(max_batch=4)
+    rng = random.Random(9)
+    prompt = [rng.randrange(512) for _ in range(50)]
+    cold = e.generate(prompt, max_new_tokens=3)
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    if decoding:
+        decoder = e.submit([rng.randrange(512) for _ in range(9)], max_new_tokens=40)
+        while e.state_of(decoder) is not SeqState.DECODING:
+            e.step()
+    monkeypatch.setattr(e.cache, "start_restore", lambda *a, **k: None)
+    rid = e.submit(prompt, max_new_tokens=3)
+    outs: list[Output] = []
+    for _ in range(200):  # bounded: a request stuck in RESTORING would never finish
+        outs += e.step()
+        if any(o.id == rid for o in outs):
+            break
+    mine = next(o for o in outs if o.id == rid)
+    assert mine.restore_failed and mine.error is None and mine.tokens == cold.tokens
+    e.run()
+    st = e.cache.status()
+    assert st.requests == 0 and st.core.leases == 0
