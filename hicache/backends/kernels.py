@@ -13,6 +13,7 @@ Each kernel has a torch twin (``*_torch``): the fallback and the test oracle.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -394,7 +395,11 @@ def upload_triton(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.is_cuda and not src.is_cuda and not src.is_pinned():
         raise ConfigError("a CUDA upload reads host memory in place: src must be pinned")
     n = dst.numel()
-    if n:
+    if not n:
+        return
+    # NOTE: Triton launches on the current device; the caller keeps ``src`` alive (and
+    # unchanged) until the kernel has run, e.g. behind an event recorded after this call.
+    with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
         _upload_kernel[(triton.cdiv(n, UPLOAD_BLOCK),)](src, dst, n, BLOCK=UPLOAD_BLOCK, num_warps=4)
 
 

@@ -96,7 +96,7 @@ COPY_MAX_PAGES = 32
 # A layered H2D of at most STRAIGHT_MAX_PAGES pages whose pages form at most STRAIGHT_RUNS
 # runs in both pools goes straight into L1: 2 x layers strided DMAs per run (rows of one
 # page-layer, 32 KiB for Qwen3-8B), no ring and no scatter; beyond STRAIGHT_RUNS the DMA
-# count grows with the runs. Alone it runs at 0.97 of a plain copy against 0.89 through the
+# count grows with the runs. Alone it runs at 0.96 of a plain copy against 0.88 through the
 # ring (bench/probes/layered_rate.py, 219 pages on an H200). The cap keeps one restore from
 # holding the copy engine for longer than a few tens of milliseconds: longer restores go
 # through the ring, chunk by chunk.

@@ -327,6 +327,7 @@ class ModelRunner:
         self._host: torch.Tensor | None = None  # pinned staging for per-forward metadata
         self._dev: torch.Tensor | None = None
         self._copied: Any = torch.cuda.Event() if pool.device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self._upload_kernel = False  # uploads by kernel (kernels.upload_triton), not by DMA
         self.attention: AttentionImpl = attention
         cuda = pool.device.type == "cuda"
         self._backends = _NO_CUDNN if cuda and cudnn != "on" else None  # eager forwards
@@ -352,14 +353,25 @@ class ModelRunner:
             self._side = _own_stream(pool.device, priority=-1)
             self._capture_stream = _own_stream(pool.device, priority=0)
             self._layered_done = make()
-            if kernels.HAVE_TRITON:  # compile the upload's variants (n == 1, n % 16 == 0, else) now
-                for n in (1, 16, 17):
-                    kernels.upload_triton(
-                        torch.empty(n, dtype=torch.int64, device=pool.device),
-                        torch.zeros(n, dtype=torch.int64, pin_memory=True),
-                    )
-                torch.cuda.synchronize(pool.device)  # the pinned sources may be reused once freed
+            self._upload_kernel = self._warm_upload()
         self.closed = False
+
+    def _warm_upload(self) -> bool:
+        """Compile the upload kernel's variants (n == 1, n % 16 == 0, else) now; False (the
+        uploads stay DMAs) without Triton or where it cannot run here."""
+        if not kernels.HAVE_TRITON:
+            return False
+        try:
+            for n in (1, 16, 17):
+                kernels.upload_triton(
+                    torch.empty(n, dtype=torch.int64, device=self.pool.device),
+                    torch.zeros(n, dtype=torch.int64, pin_memory=True),
+                )
+            torch.cuda.synchronize(self.pool.device)  # the pinned sources may be reused once freed
+        except Exception as exc:  # any Triton failure here: the DMA still works
+            warnings.warn(f"metadata uploads stay DMAs (the upload kernel failed: {exc})", stacklevel=3)
+            return False
+        return True
 
     def close(self) -> None:
         """Wait for the runner's work, drop its graphs and hand its streams on to the next
@@ -516,10 +528,10 @@ class ModelRunner:
         if self.pool.device.type != "cuda":
             dev = flat if dst is None else dst[:n].copy_(flat)
         else:
+            self._copied.synchronize()  # the previous upload has left the pinned buffer
             if self._host is None or self._host.numel() < n:
                 self._host = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True)
                 self._dev = torch.empty(self._host.numel(), dtype=torch.int64, device=self.pool.device)
-            self._copied.synchronize()  # the previous upload has left the pinned buffer
             self._host[:n].copy_(flat)
             if dst is not None:
                 target = dst
@@ -529,7 +541,7 @@ class ModelRunner:
                 assert self._dev is not None
                 target = self._dev
             dev = target[:n]
-            if kernels.HAVE_TRITON:  # not a DMA: see kernels.upload_triton
+            if self._upload_kernel:  # not a DMA: see kernels.upload_triton
                 kernels.upload_triton(dev, self._host[:n])
             else:
                 dev.copy_(self._host[:n], non_blocking=True)

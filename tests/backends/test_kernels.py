@@ -233,23 +233,32 @@ def test_warming_with_an_l2_source_also_launches_the_zero_copy_variant(monkeypat
     assert torch.equal(dst, before_dst) and torch.equal(src, before_src)
 
 
+# The upload's CPU run is the interpreter's; on a GPU machine its CUDA run is in the GPU suite.
+ON = [
+    pytest.param("cpu", marks=pytest.mark.skipif(DEVICE == "cuda", reason="Triton interprets only without CUDA")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")]),
+]
+
+
+@pytest.mark.parametrize("device", ON)
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 1023, 1024, 1025, 3000])
-def test_upload_copies_exactly_its_elements(n: int) -> None:
+def test_upload_copies_exactly_its_elements(n: int, device: str) -> None:
     """The forward's metadata upload (a kernel, not a DMA) copies every element, at block
     edges too, and writes nothing past them."""
     gen = torch.Generator().manual_seed(n)
     src = torch.randint(-(2**62), 2**62, (n,), generator=gen, dtype=torch.int64)
-    if DEVICE == "cuda":
+    if device == "cuda":
         src = src.pin_memory()
-    dst = torch.full((n + 5,), -7, dtype=torch.int64, device=DEVICE)
+    dst = torch.full((n + 5,), -7, dtype=torch.int64, device=device)
     kernels.upload_triton(dst[:n], src)
     assert torch.equal(dst[:n].cpu(), src.cpu())
     assert (dst[n:] == -7).all(), "the upload wrote past its elements"
     kernels.upload_triton(dst[:0], src[:0])  # nothing to copy is no launch and no error
 
 
-def test_upload_refuses_bad_arguments() -> None:
-    dst = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+@pytest.mark.parametrize("device", ON)
+def test_upload_refuses_bad_arguments(device: str) -> None:
+    dst = torch.zeros(8, dtype=torch.int64, device=device)
     src = torch.zeros(8, dtype=torch.int64)
     with pytest.raises(ConfigError, match="one length"):
         kernels.upload_triton(dst[:4], src)
@@ -259,6 +268,6 @@ def test_upload_refuses_bad_arguments() -> None:
         kernels.upload_triton(dst.view(2, 4), src.view(2, 4))
     with pytest.raises(ConfigError, match="contiguous"):
         kernels.upload_triton(dst[::2], src[::2])
-    if DEVICE == "cuda":
+    if device == "cuda":
         with pytest.raises(ConfigError, match="pinned"):
             kernels.upload_triton(dst, src)

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.backends.pools import DevicePool, HostPool
-from hicache.backends.transfer import TransferBackend, TransferEngine
+from hicache.backends.transfer import STRAIGHT_MAX_PAGES, TransferBackend, TransferEngine
 from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError
 
@@ -417,3 +417,63 @@ def test_the_index_ring_reuses_a_region_only_once_its_upload_ended() -> None:
     b.done = True
     ids.put([1])  # [4, 6): nothing overlapped; b has finished and is dropped, c is not
     assert [r[2] for r in ids.live] == [c] and not c.waited
+
+
+def _straight_cases(cap: int, pages: int) -> dict[str, tuple[list[int], list[int], bool]]:
+    """(L2 pages, L1 pages, goes straight) at the straight path's page cap."""
+    head = cap - 56
+    return {
+        "cap, one run": (list(range(100, 100 + cap)), list(range(300, 300 + cap)), True),
+        "cap, two runs, L1 ending at the last page": (
+            list(range(head)) + list(range(400, 456)),
+            list(range(10, 10 + head)) + list(range(pages - 56, pages)),
+            True,
+        ),
+        "cap, two runs, L2 ending at the last page": (
+            list(range(pages - head, pages)) + list(range(56)),
+            list(range(head)) + list(range(300, 356)),
+            True,
+        ),
+        "cap + 1, one run: the ring": (list(range(cap + 1)), list(range(200, 201 + cap)), False),
+        "cap, three runs: the ring": (
+            list(range(100)) + list(range(200, 300)) + list(range(400, 400 + cap - 200)),
+            list(range(100)) + list(range(150, 250)) + list(range(300, 300 + cap - 200)),
+            False,
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_straight_cases(STRAIGHT_MAX_PAGES, 600)))
+def test_the_default_straight_cap_lands_every_page_and_signals_every_layer(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """A default engine copies up to ``STRAIGHT_MAX_PAGES`` pages (256, as the docs say) in
+    at most 2 runs straight into L1, one page more or one run more through the ring; either
+    way every page lands bit-exact, nothing else in L1 or L2 changes, and each layer's event
+    is recorded once its group of layers (and no later one) has landed."""
+    assert STRAIGHT_MAX_PAGES == 256, "docs/DESIGN.md and docs/RESULTS.md give the cap as 256"
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+    pages = 600
+    l1, l2 = pools(pages, layers=5, seed=9)
+    eng = engine(l1, l2, 16, 2, layer_group=1, max_layer_group=4)
+    layers = l1.geometry.num_layers
+    src, dst, straight = _straight_cases(STRAIGHT_MAX_PAGES, pages)[case]
+    want = l2.slabs[src].clone()
+    others = sorted(set(range(pages)) - set(dst))
+
+    def landed() -> frozenset[int]:
+        got = l1.slabs[:, dst].transpose(0, 1)
+        return frozenset(x for x in range(layers) if torch.equal(got[:, [x, layers + x]], want[:, [x, layers + x]]))
+
+    events = [FakeEvent(landed) for _ in range(layers)]
+    l1.slabs.zero_()
+    before, l2_before = l1.slabs[:, others].clone(), l2.slabs.clone()
+    assert eng.h2d(src, dst, layer_events=events).wait()
+    assert eng.status()["straight"] == int(straight)
+    for lo, hi in eng.layer_groups():
+        for x in range(lo, hi):
+            (seen,) = events[x].records
+            assert seen == frozenset(range(hi)), (x, sorted(seen))
+    assert torch.equal(l1.slabs[:, dst].transpose(0, 1), want)
+    assert torch.equal(l1.slabs[:, others], before)
+    assert torch.equal(l2.slabs, l2_before)

@@ -184,3 +184,39 @@ def test_paged_kernel_on_qwen3_8b_shapes_in_bfloat16() -> None:
         got = paged_attention_triton(query, k_pool, v_pool, read, c, 128**-0.5)
         want = paged_attention_torch(query, k_pool, v_pool, read, c, 128**-0.5)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["upload-kernel", "upload-dma"])
+def test_forwards_upload_their_inputs_by_kernel_or_fall_back_to_the_dma(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner uploads a forward's inputs with ``kernels.upload_triton``; where that
+    kernel cannot run it warns once and uploads by DMA. Either way graph replays and eager
+    forwards give the same tokens and logits, and restores equal L1 hits."""
+    from hicache.backends import kernels
+
+    if not kernel:
+
+        def broken(dst: torch.Tensor, src: torch.Tensor) -> None:
+            raise RuntimeError("no upload kernel here")
+
+        monkeypatch.setattr(kernels, "upload_triton", broken)
+    rng = random.Random(3)
+    prompt = [rng.randrange(512) for _ in range(120)]
+    runs = {}
+    for graphs in (False, True):
+        if kernel:
+            e = make(graphs)
+        else:
+            with pytest.warns(UserWarning, match="metadata uploads stay DMAs"):
+                e = make(graphs)
+        assert e.runner._upload_kernel is kernel
+        serve(e, prompt, ())
+        l1 = serve(e, [*prompt, 7], ())
+        l2 = serve(e, [*prompt, 7], (Tier.L1,))
+        assert l2[2] == "L2" and l2[0] == l1[0] and torch.equal(l2[1], l1[1])
+        e.cache.check_integrity()
+        e.close()
+        runs[graphs] = l1
+    assert runs[True][0] == runs[False][0]
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-4)
