@@ -212,7 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--suffix-tokens", type=int, default=8, help="tokens after the prefix")
     b.add_argument("--max-new-tokens", type=int, default=1, help="tokens generated per request")
     b.add_argument("--iterations", type=at_least(1), default=8, help="timed requests per prefix length and tier")
-    b.add_argument("--warmup", type=at_least(0), default=2, help="untimed alternations first")
+    b.add_argument(
+        "--warmup",
+        type=at_least(1),
+        default=2,
+        help="untimed alternations first (at least 1: each prefix's first request is a cold recompute)",
+    )
     b.add_argument(
         "--tiers", nargs="+", choices=["none", "l2", "l3"], default=["none", "l2", "l3"], help="none: recompute"
     )
@@ -239,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_out_args(ap)
     args = ap.parse_args(argv)
+    short = [p for p in args.prefix_tokens if p < args.page_size]
+    if short:
+        ap.error(f"--prefix-tokens {short[0]}: less than one page (--page-size {args.page_size}): nothing to restore")
     dtype = dtype_of(args)
     try:
         net = build_model(args.model, device=args.device, dtype=dtype)

@@ -56,7 +56,7 @@ def test_latency_bench_splits_hicache_time_into_bookkeeping_and_issuing_copies(t
 def test_result_meta_records_versions_commit_device_and_the_settings_as_run(tmp_path: Path) -> None:
     """The JSON meta names torch/triton/transformers, the commit, the device and date, and
     the settings the engine really ran with (no CUDA graphs on CPU, whatever the flags)."""
-    data = bench("bench_hicache.py", "--prefix-tokens", "48", "--iterations", "1", "--warmup", "0", out=tmp_path)
+    data = bench("bench_hicache.py", "--prefix-tokens", "48", "--iterations", "1", "--warmup", "1", out=tmp_path)
     meta = data["meta"]
     assert isinstance(meta, dict)
     assert set(meta["versions"]) >= {"torch", "triton", "transformers", "python"}
@@ -114,6 +114,8 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
         (["transfer.py", "--tag", "a/b"], "--tag: must be a plain file name part"),
         (["bench_hicache.py", "--tag", "a/b"], "--tag must be a plain file name part"),
         (["bench_hicache.py", "--straight-runs", "-1"], "--straight-runs must be at least 0"),
+        (["bench_hicache.py", "--warmup", "0"], "--warmup must be at least 1"),
+        (["bench_hicache.py", "--prefix-tokens", "15"], "--prefix-tokens 15: less than one page (--page-size 16)"),
         (["storage.py", "--dir", "/nonexistent/hicache"], "--dir: not an existing directory"),
         (["core_ops.py", "--out", "/dev/null/x"], "--out: cannot create the directory"),
         (["soak.py", "--requests", "60"], "--requests 60: must exceed --warmup 200"),

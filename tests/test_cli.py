@@ -59,9 +59,10 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--num-pages"], "error: --num-pages: expected one argument"),
         (["--page-size", "0"], "error: --page-size 0: must be an integer >= 1"),
         (["--max-batch", "0"], "error: --max-batch 0: must be an integer >= 1"),
-        (["--requests", "0"], "error: --requests 0: must be an integer >= 1"),
-        (["--concurrency", "-1"], "error: --concurrency -1: must be an integer >= 1"),
-        (["--suffix-tokens", "-1"], "error: --suffix-tokens -1: must be an integer >= 0"),
+        (["--requests", "0"], "error: --requests 0: must be an integer in [1, 100,000]"),
+        (["--concurrency", "-1"], "error: --concurrency -1: must be an integer in [1, 100,000]"),
+        (["--suffix-tokens", "-1"], "error: --suffix-tokens -1: must be an integer in [0, 1,000,000]"),
+        (["--requests", "100001"], "error: --requests 100001: must be an integer in [1, 100,000]"),
         (["--hicache-ratio", "-1"], "error: --hicache-ratio -1: must be >= 0"),
         (["--hicache-size", "nan"], "error: --hicache-size nan: not a finite number"),
         (["--hicache-storage-size", "lots"], "error: --hicache-storage-size lots: not a number"),
@@ -128,6 +129,11 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         (
             [*l3, "--hicache-storage-backend", "dir", "--hicache-storage-path", str(a_file)],
             f"error: --hicache-storage-path {a_file}: not a directory (backend dir)",
+        ),
+        (
+            [*l3, "--hicache-storage-backend", "dir", "--hicache-storage-path", str(not_a_model)],
+            f"error: --hicache-storage-path {not_a_model}: L3 directory {not_a_model} is not empty and holds "
+            "no hicache store (no FORMAT file; it has config.json); give an empty or new directory",
         ),
         (
             ["--enable-hicache", "--hicache-ratio", "0"],

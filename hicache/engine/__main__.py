@@ -28,9 +28,8 @@ from hicache.engine.cli import (
     engine_from_args,
     given_flags,
     ineffective_flags,
-    nonneg_int,
+    int_between,
     port,
-    positive_int,
     served_from,
     warn,
 )
@@ -45,12 +44,14 @@ def parser() -> ArgParser:
     ap = ArgParser(description=__doc__)
     add_engine_args(ap)
     w = ap.add_argument_group("workload")
-    w.add_argument("--requests", type=positive_int, default=100, help="requests to serve")
-    w.add_argument("--prefixes", type=positive_int, default=8, help="distinct shared prefixes, used in rotation")
-    w.add_argument("--prefix-tokens", type=positive_int, default=350, help="tokens per shared prefix")
-    w.add_argument("--suffix-tokens", type=nonneg_int, default=8, help="random tokens after the prefix")
-    w.add_argument("--max-new-tokens", type=positive_int, default=4, help="tokens generated per request")
-    w.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once")
+    w.add_argument("--requests", type=int_between(1, 100_000), default=100, help="requests to serve")
+    w.add_argument(
+        "--prefixes", type=int_between(1, 10_000), default=8, help="distinct shared prefixes, used in rotation"
+    )
+    w.add_argument("--prefix-tokens", type=int_between(1, 1_000_000), default=350, help="tokens per shared prefix")
+    w.add_argument("--suffix-tokens", type=int_between(0, 1_000_000), default=8, help="random tokens after the prefix")
+    w.add_argument("--max-new-tokens", type=int_between(1, 1_000_000), default=4, help="tokens generated per request")
+    w.add_argument("--concurrency", type=int_between(1, 100_000), default=4, help="requests in flight at once")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload (prompts)")
     w.add_argument("--json", action="store_true", help="print the engine's full status as JSON at the end")
     m = ap.add_argument_group("metrics")

@@ -75,6 +75,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in ``[low, high]`` (a workload far past ``high`` would only
+    fill memory before anything runs)."""
+
+    def parse(text: str) -> int:
+        value = int(_number(int, text, "an integer"))
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text}: must be an integer in [{low:,}, {high:,}]")
+        return value
+
+    return parse
+
+
 def nonneg_int(text: str) -> int:
     value = int(_number(int, text, "an integer"))
     if value < 0:
@@ -461,6 +474,7 @@ _OPTIONAL_SETTINGS = (
 # Engine keyword / config field -> the flag that sets it, for errors raised inside Engine.
 _SETTING_FLAGS: tuple[tuple[str, str], ...] = (
     ("L3 path", "hicache_storage_path"),
+    ("L3 directory", "hicache_storage_path"),
     ("L3 needs L2", "hicache_ratio"),
     ("L3", "hicache_storage_ratio"),
     ("storage_extra", "hicache_storage_backend_extra_config"),

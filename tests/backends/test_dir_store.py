@@ -287,3 +287,54 @@ def test_unenterable_directory_is_a_config_error(tmp_path: Path, monkeypatch: py
         locked.chmod(0)
     with pytest.raises(ConfigError, match="permission denied"):
         dir_store(locked / "l3")
+
+
+def test_a_directory_of_other_files_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """A non-empty directory without a store is not adopted (opening would delete what
+    looks like a broken page or a temp file): nothing is created, deleted or re-moded."""
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    mine.chmod(0o755)
+    for name in ("notes.txt", ".tmp-draft", f"{KEYS[0].hex()}.page"):
+        (mine / name).write_bytes(b"user data")
+    before = sorted(p.name for p in mine.iterdir())
+    with pytest.raises(ConfigError, match="not empty and holds no hicache store"):
+        dir_store(mine)
+    assert sorted(p.name for p in mine.iterdir()) == before
+    assert all((mine / n).read_bytes() == b"user data" for n in before)
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o755
+
+
+def test_an_existing_directory_keeps_its_mode_unless_others_may_write(tmp_path: Path) -> None:
+    """An empty directory of mode 0755 is adopted as it is (pages are 0600 files); one
+    others may write into is refused, its mode unchanged; a new one is made 0700."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    s = dir_store(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+    s.close()
+    for mode in (0o775, 0o757, 0o2775, 0o1777):
+        open_to_all = tmp_path / f"open{mode:o}"
+        open_to_all.mkdir()
+        open_to_all.chmod(mode)
+        with pytest.raises(ConfigError, match="others may write there"):
+            dir_store(open_to_all)
+        assert stat.S_IMODE(open_to_all.stat().st_mode) == mode and not any(open_to_all.iterdir())
+    dir_store(tmp_path / "new").close()
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
+
+
+def test_a_directory_where_files_cannot_be_made_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OSError while setting up the store's files (a read-only or pseudo file system) is
+    a ConfigError naming the directory, not a bare OSError."""
+    from hicache.backends.stores import dir as dir_module
+
+    def no_lock(dirfd: int, path: Path) -> int:
+        raise FileNotFoundError(2, "No such file or directory", "LOCK")
+
+    monkeypatch.setattr(dir_module, "_lock_dir", no_lock)
+    with pytest.raises(ConfigError, match="cannot set up its files"):
+        dir_store(tmp_path / "l3")

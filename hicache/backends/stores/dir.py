@@ -106,10 +106,14 @@ class DirStore:
         self.dirfd = _open_dir(self.path)
         self.lockfd = -1
         try:
+            _check_adoptable(self.dirfd, self.path)  # before the lock file is made in it
             self.lockfd = _lock_dir(self.dirfd, self.path)
             self._check_format()
             self._scan()
             self._check_room()
+        except OSError as exc:
+            self.close()
+            raise ConfigError(f"L3 directory {self.path}: cannot set up its files ({exc.strerror or exc})") from exc
         except BaseException:
             self.close()
             raise
@@ -121,6 +125,7 @@ class DirStore:
         try:
             fd = os.open("FORMAT", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
         except FileNotFoundError:
+            _check_adoptable(self.dirfd, self.path)  # again, under the lock
             fd = os.open("FORMAT.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=self.dirfd)  # fmt: skip
             try:
@@ -362,7 +367,9 @@ def _key_of(name: str) -> bytes | None:
 
 
 def _open_dir(path: Path) -> int:
-    """Create (0700) or check the directory and open it without following a symlink."""
+    """Create (0700) or check the directory and open it without following a symlink. An
+    existing directory keeps its mode (pages are files of mode 0600) unless others may
+    write into it: then it is refused (they could plant pages)."""
     try:
         if path.is_symlink():
             raise ConfigError(f"L3 directory {path} is a symlink; give the real path")
@@ -383,14 +390,31 @@ def _open_dir(path: Path) -> int:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
             raise ConfigError(f"L3 directory {path} is owned by uid {st.st_uid}, not by us ({os.geteuid()})")
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.fchmod(fd, 0o700)
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError(
+                f"L3 directory {path} has mode {stat.S_IMODE(st.st_mode):o}: others may write there and plant "
+                "pages; give a directory only you can write (chmod go-w), or a new path"
+            )
         if not os.access(path, os.W_OK | os.X_OK):
             raise ConfigError(f"L3 directory {path} is not writable")
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _check_adoptable(dirfd: int, path: Path) -> None:
+    """A directory without a store (no FORMAT file) must hold nothing but a lock file:
+    opening a store scans it and deletes what looks like a broken page or temp file, so it
+    never adopts a user's directory."""
+    names = set(os.listdir(dirfd))
+    foreign = sorted(names - {"LOCK"})
+    if "FORMAT" not in names and foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ConfigError(
+            f"L3 directory {path} is not empty and holds no hicache store (no FORMAT file; it has {shown}); "
+            "give an empty or new directory"
+        )
 
 
 def _lock_dir(dirfd: int, path: Path) -> int:
