@@ -96,3 +96,24 @@ def test_a_bad_num_pages_is_refused_by_its_own_name(pages: object) -> None:
     ``l1_pages`` it becomes."""
     with pytest.raises(ConfigError, match=r"num_pages \(L1 pages\) must be an int >= 1"):
         Engine("tiny", num_pages=pages)
+
+
+@pytest.mark.parametrize("config", [None, 123, b"tiny"])
+def test_an_engine_config_of_the_wrong_type_says_so(config: object) -> None:
+    """Not a model name nor an EngineConfig: the refusal says that, whatever keywords came
+    with it (it named the keywords before)."""
+    with pytest.raises(ConfigError, match="config must be an EngineConfig or a model name"):
+        Engine(config, device="cpu")  # type: ignore[arg-type]
+
+
+def test_an_unknown_policy_is_refused_even_without_hicache() -> None:
+    """A policy that does not exist is a typo whether or not hicache is on."""
+    with pytest.raises(ConfigError, match="policy must be one of"):
+        Engine("tiny", policy="fast")
+
+
+def test_a_closed_engine_refuses_status_by_its_own_name() -> None:
+    e = Engine("tiny", num_pages=16)
+    e.close()
+    with pytest.raises(MisuseError, match="this Engine is closed"):
+        e.status()

@@ -43,7 +43,7 @@ import torch
 
 from hicache.backends.transfer import TransferBackend
 from hicache.core.controller import PendingRestore, Request, WritePolicy
-from hicache.core.cost import CostPriors, Plan
+from hicache.core.cost import CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage
 from hicache.core.tokens import as_tokens
 from hicache.engine.model import (
@@ -234,6 +234,8 @@ class EngineConfig:
             raise ConfigError(f"enable_hicache must be a bool, got {enable_hicache!r}")
         if enable_hicache and not l2_pages:
             raise ConfigError("enable_hicache needs l2_pages > 0")
+        if not isinstance(policy, str) or policy not in {k.value for k in Policy}:
+            raise ConfigError(f"policy must be one of {[k.value for k in Policy]}, got {policy!r}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             raise ConfigError(f"num_pages (L1 pages) must be an int >= 1, got {num_pages!r}")
         _check_seed(engine.get("seed", 0))
@@ -272,10 +274,10 @@ class Engine:
     def __init__(self, config: EngineConfig | str = "tiny", *, net: torch.nn.Module | None = None, **options: Any):
         if isinstance(config, str):
             config = EngineConfig.create(config, **options)
+        elif not isinstance(config, EngineConfig):
+            raise ConfigError(f"config must be an EngineConfig or a model name, got {type(config).__name__}")
         elif options:
             raise ConfigError(f"give either an EngineConfig or keyword settings, not both: {sorted(options)}")
-        if not isinstance(config, EngineConfig):
-            raise ConfigError(f"config must be an EngineConfig or a model name, got {type(config).__name__}")
         self.config = config
         cc = config.cache
         g = cc.geometry
@@ -732,6 +734,8 @@ class Engine:
         )
 
     def status(self) -> dict[str, object]:
+        """Queue, states, counters, graph use and the cache's status (JSON-ready)."""
+        self._check_open()
         return {
             "waiting": len(self._waiting),
             "active": {st.value: sum(1 for s in self._active.values() if s.state is st) for st in SeqState},
