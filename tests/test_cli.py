@@ -148,6 +148,14 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
             "error: --hicache-storage-size 1e-09: less than one L3 page (8 KiB)",
         ),
         (
+            [*l3, "--hicache-storage-ratio", "0.0001"],
+            "error: --hicache-storage-ratio 0.0001: less than one L3 page (4096 L1 pages x 0.0001; 0 turns L3 off)",
+        ),
+        (
+            ["--enable-hicache", "--hicache-ratio", "0.0001"],
+            "error: --hicache-ratio 0.0001: less than one L2 page (4096 L1 pages x 0.0001)",
+        ),
+        (
             ["--enable-hicache", "--disable-hicache-prefetch", "--hicache-layered-restore", "on"],
             "error: --hicache-layered-restore on: a layered restore needs prefetch, which "
             "--disable-hicache-prefetch turns off (a blocking restore has no forward to overlap)",

@@ -328,7 +328,13 @@ def _tier_pages(args: argparse.Namespace, tier: str, l1_pages: int, bytes_per_pa
             size = f"{bytes_per_page / 2**10:g} KiB" if bytes_per_page < 2**20 else f"{bytes_per_page / 2**20:g} MiB"
             raise FlagError(flag, gib, f"less than one {tier} page ({size})")
         return pages, size_flag
-    return int(getattr(args, ratio_flag) * l1_pages), ratio_flag
+    ratio = getattr(args, ratio_flag)
+    pages = int(ratio * l1_pages)
+    if ratio > 0 and pages == 0:
+        flag = "--" + ratio_flag.replace("_", "-")
+        off = "; 0 turns L3 off" if tier == "L3" else ""
+        raise FlagError(flag, ratio, f"less than one {tier} page ({l1_pages} L1 pages x {ratio:g}{off})")
+    return pages, ratio_flag
 
 
 def ineffective_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
