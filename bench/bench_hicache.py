@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,28 @@ from plots import plot_latency
 from tqdm import tqdm
 
 from hicache.engine import build_model
-from hicache.engine.cli import ArgParser, FlagError, add_engine_args, dtype_of, engine_from_args, served_from
+from hicache.engine.cli import (
+    ArgParser,
+    FlagError,
+    add_engine_args,
+    dtype_of,
+    engine_from_args,
+    given_flags,
+    served_from,
+    warn,
+)
+
+# Engine flags this bench sets per tier and prefix length itself (run_tier), and why.
+SET_PER_TIER = {
+    "num_pages": "L1 holds one prefix and not two (run_tier sizes it)",
+    "enable_hicache": "hicache is on for the l2 and l3 tiers and off for none",
+    "hicache_ratio": "L2 is sized per tier",
+    "hicache_size": "L2 is sized per tier",
+    "hicache_storage_ratio": "L3 is sized per tier",
+    "hicache_storage_size": "L3 is sized per tier",
+    "hicache_policy": "policy always forces each tier",
+    "max_batch": "one request at a time",
+}
 
 
 def burst(device: str, ms: float = 100.0) -> None:
@@ -243,7 +265,10 @@ def main(argv: list[str] | None = None) -> None:
         help="the most pages a layered restore copies straight into L1 (default: TransferEngine's)",
     )
     add_out_args(ap)
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
+    for dest in sorted(given_flags(ap, argv) & set(SET_PER_TIER)):
+        warn(f"--{dest.replace('_', '-')} has no effect: {SET_PER_TIER[dest]}")
     short = [p for p in args.prefix_tokens if p < args.page_size]
     if short:
         ap.error(f"--prefix-tokens {short[0]}: less than one page (--page-size {args.page_size}): nothing to restore")

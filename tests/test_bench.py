@@ -185,3 +185,13 @@ def test_the_mutation_script_refuses_a_bad_argument_in_one_line(argv: list[str],
     )
     assert run.returncode == 2
     assert run.stderr.startswith(f"mutation.sh: {says}") and run.stderr.count("\n") == 1, run.stderr
+
+
+def test_bench_hicache_warns_about_the_engine_flags_it_sets_itself() -> None:
+    """Engine flags the latency bench overrides per tier are named as having no effect (it
+    stops at the bad prefix length right after, before any work)."""
+    argv = ["bench_hicache.py", "--num-pages", "4", "--hicache-policy", "never", "--prefix-tokens", "10"]
+    run = subprocess.run([sys.executable, *argv], cwd=ROOT / "bench", capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "warning: --num-pages has no effect" in run.stderr
+    assert "warning: --hicache-policy has no effect: policy always forces each tier" in run.stderr
