@@ -554,21 +554,35 @@ def _order_of(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
+def _in_l2_only(seed: int) -> tuple[Engine, list[int], Output]:
+    """An engine that served a 50-token prompt once (its output returned) and holds its
+    prefix in L2 only."""
+    e = engine(max_batch=4)
+    prompt = [random.Random(seed).randrange(512) for _ in range(50)]
+    first = e.generate(prompt, max_new_tokens=3)
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    return e, prompt, first
+
+
+def _start_decoding(e: Engine, rng: random.Random) -> None:
+    """Step until one long request is decoding (the next steps run decode batches)."""
+    decoder = e.submit([rng.randrange(512) for _ in range(9)], max_new_tokens=40)
+    for _ in range(100):
+        if e.state_of(decoder) is SeqState.DECODING:
+            return
+        e.step()
+    raise AssertionError("the decoder never started decoding")
+
+
 def test_a_restore_admitted_beside_decode_starts_after_the_batch_is_launched(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With requests decoding, a restore admitted in a step starts after that step's decode
     batch is launched and before its tokens are read (its host work runs beside the batch
     on a GPU); the restored request still gets the L1 hit's tokens."""
-    e = engine(max_batch=4)
-    rng = random.Random(7)
-    prompt = [rng.randrange(512) for _ in range(50)]
-    l1 = e.generate(prompt, max_new_tokens=3)
-    e.cache.drain()
-    e.cache.core.evict(Tier.L1, 10**6)
-    decoder = e.submit([rng.randrange(512) for _ in range(9)], max_new_tokens=40)
-    while e.state_of(decoder) is not SeqState.DECODING:
-        e.step()
+    e, prompt, l1 = _in_l2_only(7)
+    _start_decoding(e, random.Random(7))
     seen = _order_of(e, monkeypatch)
     rid = e.submit(prompt, max_new_tokens=3)
     e.step()  # admits it: its restore starts beside this step's decode batch
@@ -599,16 +613,9 @@ def test_without_decode_a_restore_starts_before_the_steps_forward(monkeypatch: p
 def test_a_restore_whose_start_is_refused_recomputes(monkeypatch: pytest.MonkeyPatch, decoding: bool) -> None:
     """``start_restore`` refusing (None) leaves the request ready to recompute, with or
     without a decode batch beside the start: it finishes with the tokens of a cold run."""
-    e = engine(max_batch=4)
-    rng = random.Random(9)
-    prompt = [rng.randrange(512) for _ in range(50)]
-    cold = e.generate(prompt, max_new_tokens=3)
-    e.cache.drain()
-    e.cache.core.evict(Tier.L1, 10**6)
+    e, prompt, cold = _in_l2_only(9)
     if decoding:
-        decoder = e.submit([rng.randrange(512) for _ in range(9)], max_new_tokens=40)
-        while e.state_of(decoder) is not SeqState.DECODING:
-            e.step()
+        _start_decoding(e, random.Random(9))
     monkeypatch.setattr(e.cache, "start_restore", lambda *a, **k: None)
     rid = e.submit(prompt, max_new_tokens=3)
     outs: list[Output] = []
