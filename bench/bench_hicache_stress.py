@@ -70,7 +70,9 @@ def make_engine(
         kw.update(l2_pages=per * args.l1_prefixes, l3_pages=per * (args.prefixes + 2))
         kw.update(storage_direct=storage == "disk")
         if storage_dir is not None:
-            kw.update(storage_path=os.path.join(storage_dir, f".hicache-bench-{os.getpid()}.l3"))
+            path = os.path.join(storage_dir, f".hicache-bench-{os.getpid()}.l3")
+            Path(path).unlink(missing_ok=True)  # the last variant's (the file store takes a new or marked file)
+            kw.update(storage_path=path)
     return engine_from_args(args, net, **kw)
 
 

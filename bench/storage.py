@@ -260,6 +260,7 @@ def main() -> None:
             for direct in (m == "direct" for m in args.modes):
                 for checksums in (True, False):
                     path = work / "l3.bin"
+                    path.unlink(missing_ok=True)  # the last mode's (the file store takes a new or marked file)
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")
                         file = StorageFile(g, top, path, direct=direct)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -98,13 +99,46 @@ def test_unnamed_file_is_private_and_already_unlinked() -> None:
 
 
 def test_named_file_is_truncated_and_0600(tmp_path: Path) -> None:
+    """A file the store made before (or an empty one) is truncated to the store's size,
+    mode 0600."""
     p = tmp_path / "l3.bin"
-    p.write_bytes(b"old contents" * 1000)
+    StorageFile(G, 2, p).close()
+    with p.open("r+b") as f:
+        f.write(b"old contents" * 1000)
     p.chmod(0o644)
-    f = StorageFile(G, 3, p)
+    f2 = StorageFile(G, 3, p)
     assert p.stat().st_size == 3 * G.bytes_per_page and stat.S_IMODE(p.stat().st_mode) == 0o600
     assert p.read_bytes()[:12] == bytes(12)
-    f.close()
+    f2.close()
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    StorageFile(G, 2, empty).close()
+    assert empty.stat().st_size == 2 * G.bytes_per_page
+
+
+def test_a_users_file_is_refused_and_left_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An existing non-empty file the store did not make (no mark) is refused, its bytes
+    and mode unchanged; where the file system keeps no extended attributes, a non-empty file
+    is refused even if a store made it (nothing tells them apart)."""
+    mine = tmp_path / "notes.txt"
+    mine.write_bytes(b"precious" * 100)
+    mine.chmod(0o644)
+    with pytest.raises(ConfigError, match="hicache did not make"):
+        StorageFile(G, 2, mine)
+    assert mine.read_bytes() == b"precious" * 100 and stat.S_IMODE(mine.stat().st_mode) == 0o644
+    ours = tmp_path / "l3.bin"
+    StorageFile(G, 2, ours).close()
+
+    def no_xattrs(*args: object) -> None:
+        raise OSError(errno.ENOTSUP, "Operation not supported")
+
+    monkeypatch.setattr(os, "getxattr", no_xattrs)
+    monkeypatch.setattr(os, "setxattr", no_xattrs)
+    with pytest.raises(ConfigError, match="hicache did not make"):
+        StorageFile(G, 2, ours)
+    assert ours.stat().st_size == 2 * G.bytes_per_page
+    fresh = tmp_path / "fresh.bin"
+    StorageFile(G, 2, fresh).close()  # a new file needs no mark
 
 
 def test_refuses_directory_symlink_foreign_owner_and_no_room(tmp_path: Path) -> None:

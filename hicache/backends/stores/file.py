@@ -11,11 +11,14 @@ File safety: with no path, an unnamed file (``O_TMPFILE``, else ``mkstemp`` + ``
 with mode 0600 that vanishes even if the process is killed. With a path: refuse a directory,
 a symlink, a file owned by another user, an unwritable place, too little free space or a
 file-size limit below the L3 size; open with ``O_NOFOLLOW`` and re-check the opened file;
-lock it (``flock``) so a second cache cannot truncate a live file; truncate at start.
+lock it (``flock``) so a second cache cannot truncate a live file; refuse an existing
+non-empty file that does not carry the store's mark (:data:`MARK`, an extended attribute
+set on the files it makes); truncate at start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -108,10 +111,16 @@ class StorageFile:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as exc:
                 raise ConfigError(f"L3 path {p} is in use by another cache (it is locked); give each its own") from exc
+            if existed and st.st_size and not _marked(fd):
+                raise ConfigError(
+                    f"L3 path {p} is an existing file of {st.st_size} bytes that hicache did not make (the file "
+                    "store overwrites its file at start); give a new path, or delete it if it is yours to lose"
+                )
             _resize(fd, self.size, f"L3 path {p}")
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, 0)
             os.ftruncate(fd, self.size)
+            _mark(fd)
         except BaseException:
             os.close(fd)
             if not existed:
@@ -179,6 +188,25 @@ class StorageFile:
         if not self.closed:
             os.close(self.fd)  # NOTE: also drops the flock
             self.closed = True
+
+
+# An extended attribute on the files the store makes at a path: a later store may overwrite
+# such a file, never another (a user's file given by mistake).
+MARK = "user.hicache.l3"
+
+
+def _marked(fd: int) -> bool:
+    """Whether the file carries :data:`MARK` (False where the file system keeps no xattrs)."""
+    try:
+        os.getxattr(fd, MARK)
+    except OSError:
+        return False
+    return True
+
+
+def _mark(fd: int) -> None:
+    with contextlib.suppress(OSError):  # no user xattrs here: overwritable again only while empty
+        os.setxattr(fd, MARK, b"1")
 
 
 def _resize(fd: int, size: int, what: str) -> None:
