@@ -480,7 +480,8 @@ class Engine:
     def run(self) -> list[Output]:
         """Step until every submitted request has finished; outputs in completion order."""
         self._check_open()
-        outs, self._carried = self._carried, []
+        # NOTE: outputs emitted outside a step (aborts) count too, even with nothing left to step
+        outs, self._carried, self._finished = self._carried + self._finished, [], []
         while self.pending:
             outs.extend(self.step())
         return outs

@@ -605,3 +605,15 @@ def test_a_restore_whose_start_is_refused_recomputes(monkeypatch: pytest.MonkeyP
     e.run()
     st = e.cache.status()
     assert st.requests == 0 and st.core.leases == 0
+
+
+def test_run_returns_the_outputs_of_requests_aborted_before_it() -> None:
+    """Aborting every request leaves nothing to step; ``run`` still hands back their
+    outputs (error "aborted"), once."""
+    e = engine()
+    rids = [e.submit(list(range(1, 10 + i)), max_new_tokens=2) for i in range(3)]
+    e.step()
+    assert all(e.abort(r) for r in rids)
+    outs = e.run()
+    assert sorted(o.id for o in outs) == rids and all(o.error == "aborted" for o in outs)
+    assert e.run() == [] and e.step() == []
