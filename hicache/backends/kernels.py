@@ -394,11 +394,18 @@ def upload_triton(dst: torch.Tensor, src: torch.Tensor) -> None:
         raise ConfigError("upload needs contiguous tensors")
     if dst.is_cuda and not src.is_cuda and not src.is_pinned():
         raise ConfigError("a CUDA upload reads host memory in place: src must be pinned")
+    upload_unchecked(dst, src)
+
+
+def upload_unchecked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """:func:`upload_triton` without its checks, for a caller that uploads every forward
+    from one buffer it checked once (the model runner's pinned staging buffer).
+
+    NOTE: Triton launches on the current device; the caller keeps ``src`` alive (and
+    unchanged) until the kernel has run, e.g. behind an event recorded after this call."""
     n = dst.numel()
     if not n:
         return
-    # NOTE: Triton launches on the current device; the caller keeps ``src`` alive (and
-    # unchanged) until the kernel has run, e.g. behind an event recorded after this call.
     with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
         _upload_kernel[(triton.cdiv(n, UPLOAD_BLOCK),)](src, dst, n, BLOCK=UPLOAD_BLOCK, num_warps=4)
 

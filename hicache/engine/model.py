@@ -541,8 +541,8 @@ class ModelRunner:
                 assert self._dev is not None
                 target = self._dev
             dev = target[:n]
-            if self._upload_kernel:  # not a DMA: see kernels.upload_triton
-                kernels.upload_triton(dev, self._host[:n])
+            if self._upload_kernel:  # not a DMA: see kernels.upload_triton (checked in _warm_upload)
+                kernels.upload_unchecked(dev, self._host[:n])
             else:
                 dev.copy_(self._host[:n], non_blocking=True)
             self._copied.record()

@@ -263,6 +263,35 @@ def test_layered_h2d_records_each_event_after_its_layers_of_every_page(
     assert torch.equal(l1.slabs[:, dst].transpose(0, 1), want)
 
 
+def layered_h2d_exactly(
+    eng: TransferEngine, l1: DevicePool, l2: HostPool, src: list[int], dst: list[int]
+) -> dict[str, Any]:
+    """Run a layered H2D of L2 pages ``src`` into L1 pages ``dst`` (into a zeroed L1) and
+    check it: each layer's event recorded once its group of layers (and no later one) has
+    landed in every page, the pages bit-exact, nothing else in L1 or L2 changed. Returns
+    the engine's status after it."""
+    layers = l1.geometry.num_layers
+    want = l2.slabs[src].clone()
+    others = sorted(set(range(l1.num_pages)) - set(dst))
+
+    def landed() -> frozenset[int]:
+        got = l1.slabs[:, dst].transpose(0, 1)
+        return frozenset(x for x in range(layers) if torch.equal(got[:, [x, layers + x]], want[:, [x, layers + x]]))
+
+    events = [FakeEvent(landed) for _ in range(layers)]
+    l1.slabs.zero_()
+    before, l2_before = l1.slabs[:, others].clone(), l2.slabs.clone()
+    assert eng.h2d(src, dst, layer_events=events).wait()
+    for lo, hi in eng.layer_groups():
+        for x in range(lo, hi):
+            (seen,) = events[x].records
+            assert seen == frozenset(range(hi)), (x, sorted(seen))
+    assert torch.equal(l1.slabs[:, dst].transpose(0, 1), want)
+    assert torch.equal(l1.slabs[:, others], before)
+    assert torch.equal(l2.slabs, l2_before)
+    return dict(eng.status())
+
+
 STRAIGHT_LAYOUTS = {  # (L2 pages, L1 pages, runs over which both step by one)
     "one run": (list(range(4, 13)), list(range(10, 19)), 1),
     "two runs": ([4, 5, 6, 7, 8, 15, 16, 17, 18], [10, 11, 12, 13, 14, 2, 3, 4, 5], 2),
@@ -287,29 +316,11 @@ def test_a_layered_h2d_over_few_runs_goes_straight_into_l1(
     eng = engine(
         l1, l2, 4, 2, layer_group=1, max_layer_group=4, straight_runs=straight_runs, straight_max_pages=max_pages
     )
-    layers = l1.geometry.num_layers
     l2_pages, dst, runs = STRAIGHT_LAYOUTS[layout]
-    want = l2.slabs[l2_pages].clone()
-    others = [p for p in range(24) if p not in dst]
-
-    def landed() -> frozenset[int]:
-        got = l1.slabs[:, dst].transpose(0, 1)
-        return frozenset(x for x in range(layers) if torch.equal(got[:, [x, layers + x]], want[:, [x, layers + x]]))
-
-    events = [FakeEvent(landed) for _ in range(layers)]
-    l1.slabs.zero_()
-    before = l1.slabs[:, others].clone()
-    assert eng.h2d(l2_pages, dst, layer_events=events).wait()
-    status = eng.status()
+    status = layered_h2d_exactly(eng, l1, l2, l2_pages, dst)
     assert status["paths"]["layered"] == 1 and status["straight_runs"] == straight_runs
     assert status["straight_max_pages"] == max_pages
     assert status["straight"] == (1 if runs <= straight_runs and len(dst) <= max_pages else 0)
-    for lo, hi in eng.layer_groups():
-        for x in range(lo, hi):
-            (seen,) = events[x].records
-            assert seen == frozenset(range(hi)), (x, sorted(seen))
-    assert torch.equal(l1.slabs[:, dst].transpose(0, 1), want)
-    assert torch.equal(l1.slabs[:, others], before)
 
 
 @pytest.mark.parametrize("name", ["straight_runs", "straight_max_pages"])
@@ -456,24 +467,5 @@ def test_the_default_straight_cap_lands_every_page_and_signals_every_layer(
     pages = 600
     l1, l2 = pools(pages, layers=5, seed=9)
     eng = engine(l1, l2, 16, 2, layer_group=1, max_layer_group=4)
-    layers = l1.geometry.num_layers
     src, dst, straight = _straight_cases(STRAIGHT_MAX_PAGES, pages)[case]
-    want = l2.slabs[src].clone()
-    others = sorted(set(range(pages)) - set(dst))
-
-    def landed() -> frozenset[int]:
-        got = l1.slabs[:, dst].transpose(0, 1)
-        return frozenset(x for x in range(layers) if torch.equal(got[:, [x, layers + x]], want[:, [x, layers + x]]))
-
-    events = [FakeEvent(landed) for _ in range(layers)]
-    l1.slabs.zero_()
-    before, l2_before = l1.slabs[:, others].clone(), l2.slabs.clone()
-    assert eng.h2d(src, dst, layer_events=events).wait()
-    assert eng.status()["straight"] == int(straight)
-    for lo, hi in eng.layer_groups():
-        for x in range(lo, hi):
-            (seen,) = events[x].records
-            assert seen == frozenset(range(hi)), (x, sorted(seen))
-    assert torch.equal(l1.slabs[:, dst].transpose(0, 1), want)
-    assert torch.equal(l1.slabs[:, others], before)
-    assert torch.equal(l2.slabs, l2_before)
+    assert layered_h2d_exactly(eng, l1, l2, src, dst)["straight"] == int(straight)
