@@ -284,9 +284,9 @@ class HiCache:
         """Teach the recompute model (:meth:`Controller.observe_prefill`)."""
         self.controller.observe_prefill(tokens, seconds)
 
-    def note_decode(self, seconds: float) -> None:
+    def note_decode(self, seconds: float, *, ended: float | None = None) -> None:
         """Decode time spent while restores were pending (:meth:`Controller.note_decode`)."""
-        self.controller.note_decode(seconds)
+        self.controller.note_decode(seconds, ended=ended)
 
     def drain(self) -> None:
         """Block until every transfer in flight has finished."""

@@ -396,13 +396,21 @@ class Controller:
         _check_seconds("observe_prefill", seconds)
         self.cost.observe_prefill(tokens, float(seconds))
 
-    def note_decode(self, seconds: float) -> None:
-        """The engine ran a decode batch for ``seconds`` while restores were pending."""
+    def note_decode(self, seconds: float, *, ended: float | None = None) -> None:
+        """The engine ran a decode batch for ``seconds`` while restores were pending. With
+        ``ended`` (the ``time.perf_counter()`` at which the batch ended), a restore started
+        during the batch is credited only the part after its start (an engine may start
+        restores beside a batch it launched: their host work overlaps it)."""
         self._enter()
         _check_seconds("note_decode", seconds)
+        if ended is not None and (
+            isinstance(ended, bool) or not isinstance(ended, (int, float)) or not math.isfinite(ended)
+        ):
+            raise MisuseError(f"note_decode: ended must be a finite time.perf_counter() value, got {ended!r}")
         for r in {id(j.restore): j.restore for j in self._jobs.values() if j.restore is not None}.values():
             if r is not None:
-                r.overlapped_s += float(seconds)
+                part = seconds if ended is None else min(seconds, max(0.0, ended - r.started))
+                r.overlapped_s += float(part)
 
     # -- restore -----------------------------------------------------------------------------
 

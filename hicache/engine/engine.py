@@ -6,8 +6,8 @@ One scheduler thread owns everything. Each :meth:`Engine.step`:
 1. polls the cache: restores that finished (published, failed or cancelled) make their
    requests ready to prefill (a failed restore means the request recomputes);
 2. admits waiting requests up to ``max_batch``: match, pin the L1 hit, ask the cost model
-   (``plan``); a restore from L2/L3 is *started* and the request parks until it is published
-   (with ``prefetch=False`` the restore blocks here instead, the seed's baseline). A
+   (``plan``); a restore from L2/L3 is *started* (below) and the request parks until it is
+   published (with ``prefetch=False`` the restore blocks here instead, the seed's baseline). A
    *layered* restore (``layered_restore``; the default ``None`` turns it on wherever CUDA
    and cuda-python allow, ``False`` turns it off) also launches the request's prefill at
    once, on its own stream
@@ -18,7 +18,12 @@ One scheduler thread owns everything. Each :meth:`Engine.step`:
    decode batch of every running request; after ``prefills_before_decode`` prefills in a
    row a waiting decode batch goes first (a stream of arrivals must not starve decode).
    Decode time spent while restores are pending is reported with ``note_decode``: that is
-   the restore time hidden behind useful work.
+   the restore time hidden behind useful work. The restores admitted in this step start
+   right before the forward, or, when it is a decode batch, right after it is launched and
+   before its tokens are read: their host work (issuing the copy, launching a layered
+   prefill) then runs while the device decodes instead of before it. They are issued behind
+   a mark taken before the batch's launch (:meth:`~hicache.engine.model.ModelRunner.after`),
+   so their copies and layered forwards run beside the batch, not queued behind it.
 
 Without ``enable_hicache`` the engine keeps its L1 prefix cache (policy ``never``, no L2/L3)
 and no transfer ever runs.
@@ -27,6 +32,7 @@ and no transfer ever runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from collections import deque
@@ -39,7 +45,7 @@ import torch
 
 from hicache.backends.transfer import TransferBackend
 from hicache.core.controller import PendingRestore, Request, WritePolicy
-from hicache.core.cost import CostPriors, Policy
+from hicache.core.cost import CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage
 from hicache.core.tokens import as_tokens
 from hicache.engine.model import (
@@ -141,6 +147,7 @@ class EngineStats:
     prefill_s_while_restoring: float = 0.0  # other requests' prefills, run in decode's place
     idle_s_while_restoring: float = 0.0  # nothing else to run: waiting for the copy
     restore_issue_s: float = 0.0  # host time starting restores (and launching layered prefills)
+    restore_issue_s_beside_decode: float = 0.0  # the part of it spent while a decode batch ran
     layered_launch_s: float = 0.0  # the part of it launching layered prefills
     restores_started: int = 0
     restores_failed: int = 0
@@ -310,6 +317,7 @@ class Engine:
         self._prefills_in_row = 0
         self._idle_streak = 0  # idle steps in a row while every restore reads storage
         self._admission_held = False  # a request gave its pins back for others: admit none until one moves
+        self._starting: list[tuple[_Seq, Plan]] = []  # admitted in this step, restore not yet started
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -409,9 +417,13 @@ class Engine:
             self._guarded(seq, self._admit)
         ready = next((s for s in self._active.values() if s.state is SeqState.READY), None)
         decoding = [s for s in self._active.values() if s.state is SeqState.DECODING]
+        prefill = ready is not None and not (decoding and self._prefills_in_row >= self.prefills_before_decode)
+        if prefill or not decoding:
+            self._start_restores()  # no decode batch to run them beside
         ran = idle = False
         restoring = any(s.state is SeqState.RESTORING for s in self._active.values())
-        if ready is not None and not (decoding and self._prefills_in_row >= self.prefills_before_decode):
+        if prefill:
+            assert ready is not None
             t0 = time.perf_counter()
             ran = bool(self._guarded(ready, self._prefill))
             self._prefills_in_row += ran
@@ -421,7 +433,7 @@ class Engine:
             self._admission_held = False
         else:
             if decoding:
-                self._decode(decoding, restoring)
+                self._decode(decoding)
                 self._prefills_in_row = 0
                 self._admission_held = False
             elif ready is not None and ready.id in self._active and not restoring:
@@ -518,15 +530,31 @@ class Engine:
             if not cache.restore(seq.req, plan):
                 self._restore_failed(seq)
             return
+        seq.state = SeqState.RESTORING  # its restore starts later in this step (_start_restores)
+        self._starting.append((seq, plan))
+
+    def _start_restores(self, beside_decode: bool = False) -> None:
+        """Start the restores admitted in this step; a refusal fails only its request."""
+        starting, self._starting = self._starting, []
+        t0 = time.perf_counter()
+        for seq, plan in starting:
+            if self._active.get(seq.id) is seq:
+                self._guarded(seq, functools.partial(self._start_restore, plan=plan))
+        if beside_decode and starting:
+            self.stats.restore_issue_s_beside_decode += time.perf_counter() - t0
+
+    def _start_restore(self, seq: _Seq, plan: Plan) -> None:
+        cache = self.cache
+        assert seq.req is not None
         t0 = seq.restore_started = time.perf_counter()
         layered = self.layered and plan.tier is Tier.L2 and not self.runner.layered_busy
         events = self.runner.layer_events if layered else None
         seq.restore = cache.start_restore(seq.req, plan, layer_events=events)
         self.stats.cache_s += time.perf_counter() - t0
-        if seq.restore is None:
+        if seq.restore is None:  # refused (no room, or the copy could not start): recompute
+            seq.state = SeqState.READY
             self._restore_failed(seq)
             return
-        seq.state = SeqState.RESTORING
         if seq.restore.layered:
             self._launch_layered(seq)
         self.stats.restore_issue_s += time.perf_counter() - seq.restore_started
@@ -647,22 +675,32 @@ class Engine:
         if len(seq.out) >= seq.max_new:
             self._complete(seq)
 
-    def _decode(self, seqs: list[_Seq], restoring: bool) -> None:
+    def _decode(self, seqs: list[_Seq]) -> None:
+        """One decode batch; the restores admitted in this step start after it is launched
+        and before its tokens are read (on a GPU their host work overlaps the batch)."""
         t0 = time.perf_counter()
         batch = [([s.out[-1]], s.pages, len(s.prompt) + len(s.out) - 1) for s in seqs]
+        mark = self.runner.mark() if self._starting else None
         try:
-            tokens = self.runner.forward(batch).argmax(-1).tolist()  # waits for the GPU
+            try:
+                picked = self.runner.forward(batch).argmax(-1)
+                launched = time.perf_counter()  # on a CPU the batch has run by now
+            finally:
+                with self.runner.after(mark):  # their copies wait for what came before the batch only
+                    self._start_restores(beside_decode=True)
+            tokens = picked.tolist()  # waits for the GPU
         except torch.OutOfMemoryError as exc:
             for seq in seqs:
                 self._fail(seq, f"OutOfMemoryError in decode: {exc}")
             return
-        seconds = time.perf_counter() - t0
+        ended = time.perf_counter() if self.cuda else launched
+        seconds = ended - t0
         self.stats.decode_batches += 1
         self.stats.decode_tokens += len(seqs)
         self.stats.decode_s += seconds
-        if restoring:
+        if any(s.state is SeqState.RESTORING for s in self._active.values()):
             self.stats.decode_s_while_restoring += seconds
-            self.cache.note_decode(seconds)
+            self.cache.note_decode(seconds, ended=ended)
         for seq, token in zip(seqs, tokens, strict=True):
             seq.out.append(int(token))
             if len(seq.out) >= seq.max_new:

@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -324,9 +324,15 @@ class ModelRunner:
         self.graph_replays = 0
         self.eager_forwards = 0
         self.captured_last = False  # the last forward captured a CUDA graph (one-time cost)
-        self._host: torch.Tensor | None = None  # pinned staging for per-forward metadata
+        # Pinned staging for per-forward metadata, two buffers in turn: a forward launched
+        # right after another (a layered prefill after a decode batch's launch) does not wait
+        # for the other's upload to have run, only for the one two forwards back.
+        self._hosts: list[torch.Tensor | None] = [None, None]
+        self._copied: list[Any] = (
+            [torch.cuda.Event(), torch.cuda.Event()] if pool.device.type == "cuda" else []  # type: ignore[no-untyped-call]
+        )
+        self._turn = 0
         self._dev: torch.Tensor | None = None
-        self._copied: Any = torch.cuda.Event() if pool.device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._upload_kernel = False  # uploads by kernel (kernels.upload_triton), not by DMA
         self.attention: AttentionImpl = attention
         cuda = pool.device.type == "cuda"
@@ -335,6 +341,8 @@ class ModelRunner:
         self.layer_events: tuple[Any, ...] = ()
         self._side: Any = None
         self._capture_stream: Any = None  # where the other graphs are captured
+        self._issue: Any = None  # where work queued in after() runs: behind a mark() only
+        self._mark: Any = None
         self._layered_done: Any = None
         layers = pool.geometry.num_layers
         groups = layer_groups or [(x, x + 1) for x in range(layers)]
@@ -350,8 +358,10 @@ class ModelRunner:
             # captured on one stream and replayed at once on two share it, and a layered prefill
             # beside decode batches then hangs or computes wrong values
             # (bench/probes/layered_hang_min.py). So each replay stream captures its own graphs.
-            self._side = _own_stream(pool.device, priority=-1)
-            self._capture_stream = _own_stream(pool.device, priority=0)
+            self._side = _own_stream(pool.device, "side", priority=-1)
+            self._capture_stream = _own_stream(pool.device, "capture", priority=0)
+            self._issue = _own_stream(pool.device, "issue", priority=-1)
+            self._mark = make()
             self._layered_done = make()
             self._upload_kernel = self._warm_upload()
         self.closed = False
@@ -384,9 +394,9 @@ class ModelRunner:
             self._capture_stream.synchronize()
         self.graphs_enabled = False
         self._graphs.clear()  # NOTE: first: no graph captured on the streams outlives this
-        for stream in (self._side, self._capture_stream):
+        for role, stream in (("side", self._side), ("capture", self._capture_stream), ("issue", self._issue)):
             if isinstance(stream, torch.cuda.ExternalStream):
-                _SPARE_STREAMS.setdefault(stream.device_index, []).append(stream)
+                _SPARE_STREAMS.setdefault((stream.device_index, role), []).append(stream)
 
     @property
     def layered_busy(self) -> bool:
@@ -398,6 +408,31 @@ class ModelRunner:
         """Block the host until the layered forwards launched so far have finished."""
         if self._layered_done is not None:
             self._layered_done.synchronize()
+
+    def mark(self) -> Any:
+        """Mark the caller's stream now, for :meth:`after` (None on CPU)."""
+        if self._mark is None:
+            return None
+        self._mark.record(torch.cuda.current_stream(self.pool.device))
+        return self._mark
+
+    @contextlib.contextmanager
+    def after(self, mark: Any) -> Iterator[None]:
+        """Inside the block the current stream is one that waits only for ``mark`` (a
+        :meth:`mark` of the caller's stream), not for what the caller queued since: work
+        that waits for "the caller's stream" there (a transfer at issue, a layered forward)
+        waits for the mark only. With ``mark`` None: the caller's stream, unchanged.
+
+        NOTE: the engine marks before launching a decode batch and starts restores after the
+        launch inside this block, so their copies and layered forwards run beside the batch
+        instead of queuing behind it. Safe because the batch reads and writes only pages of
+        the requests it decodes, which are pinned: a restore's pages are never among them."""
+        if mark is None or self._issue is None:
+            yield
+            return
+        self._issue.wait_event(mark)
+        with torch.cuda.stream(self._issue):
+            yield
 
     def join_layered(self) -> None:
         """Order the caller's stream after every layered forward launched so far (before it
@@ -528,11 +563,14 @@ class ModelRunner:
         if self.pool.device.type != "cuda":
             dev = flat if dst is None else dst[:n].copy_(flat)
         else:
-            self._copied.synchronize()  # the previous upload has left the pinned buffer
-            if self._host is None or self._host.numel() < n:
-                self._host = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True)
-                self._dev = torch.empty(self._host.numel(), dtype=torch.int64, device=self.pool.device)
-            self._host[:n].copy_(flat)
+            k, self._turn = self._turn, self._turn ^ 1
+            self._copied[k].synchronize()  # this buffer's last upload has read it
+            host = self._hosts[k]
+            if host is None or host.numel() < n:
+                host = self._hosts[k] = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True)
+            if self._dev is None or self._dev.numel() < n:
+                self._dev = torch.empty(host.numel(), dtype=torch.int64, device=self.pool.device)
+            host[:n].copy_(flat)
             if dst is not None:
                 target = dst
             elif fresh:
@@ -542,10 +580,10 @@ class ModelRunner:
                 target = self._dev
             dev = target[:n]
             if self._upload_kernel:  # not a DMA: see kernels.upload_triton (checked in _warm_upload)
-                kernels.upload_unchecked(dev, self._host[:n])
+                kernels.upload_unchecked(dev, host[:n])
             else:
-                dev.copy_(self._host[:n], non_blocking=True)
-            self._copied.record()
+                dev.copy_(host[:n], non_blocking=True)
+            self._copied[k].record()
         out, at = [], 0
         for p in parts:
             out.append(dev[at : at + p.numel()].view(p.shape))
@@ -566,15 +604,15 @@ class ModelRunner:
         return graph
 
 
-_SPARE_STREAMS: dict[int, list[Any]] = {}  # by device index: streams of closed runners
+_SPARE_STREAMS: dict[tuple[int, str], list[Any]] = {}  # by device index and role: streams of closed runners
 
 
-def _own_stream(device: torch.device, priority: int) -> Any:
+def _own_stream(device: torch.device, role: str, priority: int) -> Any:
     """A stream no other open runner uses (the cuBLAS workspace: see ModelRunner.__init__):
-    a closed runner's, or a new one (``dma.new_stream``); without cuda-python one of torch's
-    pooled streams (``priority`` picks the pool)."""
+    a closed runner's in the same ``role``, or a new one (``dma.new_stream``); without
+    cuda-python one of torch's pooled streams (``priority`` picks the pool)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    spare = _SPARE_STREAMS.get(index)
+    spare = _SPARE_STREAMS.get((index, role))
     if spare:
         return spare.pop()
     return dma.new_stream(torch.device("cuda", index)) or torch.cuda.Stream(device, priority=priority)  # type: ignore[no-untyped-call]

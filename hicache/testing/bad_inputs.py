@@ -350,6 +350,14 @@ def catalogue() -> list[BadInput]:
             "-1.0",
             state,
         ),
+        BadInput(
+            "requests",
+            "note_decode with a NaN end time",
+            lambda: cache.note_decode(1.0, ended=float("nan")),
+            MisuseError,
+            "ended must be a finite",
+            state,
+        ),
     ]
 
 

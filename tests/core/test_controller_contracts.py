@@ -12,7 +12,7 @@ from hicache import HiCache
 from hicache.core.controller import Controller, PendingRestore, Request, check_selective_hits
 from hicache.core.cost import Plan
 from hicache.core.keys import format_seed, page_keys
-from hicache.errors import ConfigError, IntegrityError
+from hicache.errors import ConfigError, IntegrityError, MisuseError
 from hicache.spec.model import Tier
 from tests.core.test_controller import cached, evict_all, make
 from tests.core.test_shared_store import MODEL, compute
@@ -217,6 +217,28 @@ def test_observe_prefill_teaches_the_recompute_model() -> None:
     assert list(model.samples)[before:] == [(64.0, seconds)]
     assert model.held is None
     c.close()
+
+
+def test_note_decode_credits_a_restore_started_during_the_batch_only_its_part() -> None:
+    """With ``ended``, a restore is credited ``min(seconds, ended - started)``: all of a
+    batch that began after it, the part after its start of one it started beside, nothing
+    of one that ended before it started. A bad ``ended`` is refused, nothing credited."""
+    c = make()
+    cached(c, list(range(8)), Tier.L1)
+    req = c.admit(list(range(8)))
+    p = c.start_restore(req, c.plan(req))
+    assert p is not None and not p.finished
+    c.note_decode(0.5, ended=p.started + 10.0)
+    c.note_decode(1.0, ended=p.started + 0.25)
+    c.note_decode(1.0, ended=p.started - 1.0)
+    assert p.overlapped_s == 0.75
+    for bad in (float("nan"), "1", True):
+        with pytest.raises(MisuseError, match="ended must be a finite"):
+            c.note_decode(1.0, ended=bad)  # type: ignore[arg-type]
+    assert p.overlapped_s == 0.75
+    _finish(c, p)
+    c.release(req)
+    c.check_integrity()
 
 
 def test_note_decode_reaches_every_pending_restore() -> None:

@@ -536,6 +536,24 @@ def test_an_idle_step_waits_for_the_first_restore_copy_instead_of_sleeping(
     e.close()
 
 
+def _order_of(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the engine's forwards (``prefill`` / ``decode``) and restore starts in order."""
+    seen: list[str] = []
+    forward, start = e.runner.forward, e.cache.start_restore
+
+    def fwd(seqs: Any, **kw: Any) -> torch.Tensor:
+        seen.append("decode" if all(len(s[0]) == 1 and s[2] > 0 for s in seqs) else "prefill")
+        return forward(seqs, **kw)
+
+    def started(*args: Any, **kw: Any) -> Any:
+        seen.append("start")
+        return start(*args, **kw)
+
+    monkeypatch.setattr(e.runner, "forward", fwd)
+    monkeypatch.setattr(e.cache, "start_restore", started)
+    return seen
+
+
 def _in_l2_only(seed: int) -> tuple[Engine, list[int], Output]:
     """An engine that served a 50-token prompt once (its output returned) and holds its
     prefix in L2 only."""
@@ -557,39 +575,44 @@ def _start_decoding(e: Engine, rng: random.Random) -> None:
     raise AssertionError("the decoder never started decoding")
 
 
-@pytest.mark.parametrize("decoding", [False, True])
-def test_an_admitted_restore_starts_before_the_steps_forward(monkeypatch: pytest.MonkeyPatch, decoding: bool) -> None:
-    """A restore starts in the step that admits it, before that step's forward (a decode
-    batch if others are decoding): its copy is queued behind nothing the step launches, so
-    it runs beside the batch. The restored request gets the cold run's tokens."""
-    e, prompt, cold = _in_l2_only(7)
-    if decoding:
-        _start_decoding(e, random.Random(7))
-    seen: list[str] = []
-    forward, start = e.runner.forward, e.cache.start_restore
-
-    def fwd(seqs: Any, **kw: Any) -> torch.Tensor:
-        seen.append("decode" if all(len(s[0]) == 1 and s[2] > 0 for s in seqs) else "prefill")
-        return forward(seqs, **kw)
-
-    def started(*args: Any, **kw: Any) -> Any:
-        seen.append("start")
-        return start(*args, **kw)
-
-    monkeypatch.setattr(e.runner, "forward", fwd)
-    monkeypatch.setattr(e.cache, "start_restore", started)
+def test_a_restore_admitted_beside_decode_starts_after_the_batch_is_launched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With requests decoding, a restore admitted in a step starts after that step's decode
+    batch is launched and before its tokens are read (its host work runs beside the batch
+    on a GPU); the restored request still gets the L1 hit's tokens."""
+    e, prompt, l1 = _in_l2_only(7)
+    _start_decoding(e, random.Random(7))
+    seen = _order_of(e, monkeypatch)
     rid = e.submit(prompt, max_new_tokens=3)
-    e.step()
-    assert seen[0] == "start" and (seen[1:2] == ["decode"]) is decoding, seen
-    mine = next(o for o in e.run() if o.id == rid)
-    assert (mine.restored_from, mine.tokens) == ("L2", cold.tokens)
+    e.step()  # admits it: its restore starts beside this step's decode batch
+    assert seen == ["decode", "start"], seen
+    assert e.state_of(rid) is SeqState.RESTORING
+    outs = e.run()
+    mine = next(o for o in outs if o.id == rid)
+    assert (mine.restored_from, mine.tokens) == ("L2", l1.tokens)
+    assert e.stats.restore_issue_s_beside_decode > 0
     e.cache.check_integrity()
+
+
+def test_without_decode_a_restore_starts_before_the_steps_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing decoding: the admitted restore starts at once, before any forward of the
+    step (no batch to hide it behind, none to delay it)."""
+    e = engine()
+    prompt = [random.Random(8).randrange(512) for _ in range(50)]
+    e.generate(prompt, max_new_tokens=2)
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    seen = _order_of(e, monkeypatch)
+    out = e.generate(prompt, max_new_tokens=2)
+    assert out.restored_from == "L2" and seen[0] == "start" and "decode" in seen
+    assert e.stats.restore_issue_s_beside_decode == 0
 
 
 @pytest.mark.parametrize("decoding", [False, True])
 def test_a_restore_whose_start_is_refused_recomputes(monkeypatch: pytest.MonkeyPatch, decoding: bool) -> None:
     """``start_restore`` refusing (None) leaves the request ready to recompute, with or
-    without others decoding: it finishes with the tokens of a cold run."""
+    without a decode batch beside the start: it finishes with the tokens of a cold run."""
     e, prompt, cold = _in_l2_only(9)
     if decoding:
         _start_decoding(e, random.Random(9))
