@@ -1,8 +1,8 @@
 """Throughput under prefix rotation (one request at a time), plus decode overlap.
 
 Rotation: ``--prefixes`` (8) prefixes of ``--prefix-tokens`` (350) tokens in turn, one
-request at a time (batch size 1), 1 output token, ``--requests`` (80) timed after one
-untimed rotation. L1 holds ``--l1-prefixes`` (3) of them, so every request misses L1;
+request at a time (batch size 1), 1 output token, ``--requests`` (80) timed after
+``--warmup-rotations`` (2) untimed rotations. L1 holds ``--l1-prefixes`` (3) of them, so every request misses L1;
 tier ``l2``: L2 holds all; tier ``l3``: L2 holds 3 too and L3 holds all, on the local disk
 with O_DIRECT (cold: every read goes to the device) and from page cache (tmpfs). Policies:
 ``always`` and ``never`` are forced, ``cost`` must be within 5% of the better of them
@@ -11,7 +11,9 @@ policy (by its mean over runs) served them, its decisions free of run-to-run noi
 
 Overlap: ``--decoders`` requests keep decoding while the rotation requests arrive; with the
 overlap loop their restores hide behind decode batches, with ``--disable-hicache-prefetch``
-(blocking) decode stalls. Reports the fraction of restore time overlapped with decode.
+(blocking) decode stalls. Reports the fraction of restore time overlapped with decode. The
+untimed part then also runs until the first decoders have been replaced (and one rotation
+more), so the CUDA graphs of a turnover's decode batches are captured before the timing.
 
 Every restored prefix's pages are fingerprinted (xxh3) against the pages as computed:
 ``page_mismatches`` must be 0. Writes JSON + PNG under ``--out`` (default
@@ -109,10 +111,21 @@ def rotate(
     # CUDA graphs its shapes need are captured here (a capture is one-time setup).
     # NOTE: the timed requests are numbered after the untimed ones: a repeated prompt would
     # find its suffix page cached too, a shorter tail (another graph shape) inside the timing.
+    # NOTE: with decoders, the untimed part also runs until the first decoders have been
+    # replaced, and one rotation more: the decode batches of a turnover (fewer rows while the
+    # new decoders prefill one per step) are shapes of their own, captured once.
     warm = args.warmup_rotations * len(prefixes)
-    for i in range(warm):
+    first, replaced = engine.stats.submitted, None
+    limit = warm + 2 * args.decode_tokens + 2 * len(prefixes)  # a turnover comes well before
+    i = 0
+    while i < warm or (decoders and replaced is None and i < limit) or (replaced is not None and i < replaced):
         out = serve(i)
         check.observe(engine, i % len(prefixes), prompt(i), full, out)
+        i += 1
+        background_submitted = engine.stats.submitted - first - i
+        if decoders and replaced is None and background_submitted >= 2 * decoders:
+            replaced = i + len(prefixes)
+    warm = i
     engine.cache.drain()
     m = engine.cache.metrics
     cache_s0, submitted0 = engine.stats.cache_s, engine.stats.submitted
