@@ -193,6 +193,8 @@ class HiCache:
                 f"{config.l2_pages * g.bytes_per_page / 2**30:.1f} GiB (page_size): {exc}"
             ) from exc
         self.device = TransferEngine(self.l1, self.l2, config.transfer_backend, faults=self.faults)
+        if config.l2_pages:
+            self.device.prepare()  # one-time setup here, not in a live request's restore
         storage: StoreMover | None = None
         if config.l3_pages and store is not None:
             custom = _custom_store(store, self.l2)

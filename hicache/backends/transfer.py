@@ -494,6 +494,24 @@ class TransferEngine:
     def straight_max_pages(self, value: int) -> None:
         self._straight_max_pages = _count("straight_max_pages", value)
 
+    def prepare(self) -> None:
+        """Do the ring paths' one-time setup now: the index buffers, the ring, the choice of
+        gather/scatter kernels (timed on this geometry) and the layered scatter's compiles.
+
+        NOTE: otherwise the first transfer that needs them pays it, and a workload whose
+        transfers take the copy and straight paths (which need none of it) meets it
+        seconds later, in a live request's restore: the first fragmented one. A failure to
+        allocate is logged and left to that transfer (it fails, the request recomputes); an
+        explicitly requested backend that does not work here is a ConfigError."""
+        if not self.cuda:
+            return
+        try:
+            self._setup("ring")
+        except _AllocationFailed as exc:
+            log.warning("hicache transfer: setup deferred to the first transfer: %s", exc)
+        except Exception as exc:
+            raise ConfigError(f"transfer backend {self.requested!r} does not work here: {exc!r}") from exc
+
     @property
     def kernel_stream(self) -> Any:
         """The second stream of the ring pipeline (gathers and scatters of multi-chunk transfers)."""

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from hicache import HiCache, HiCacheConfig
-from hicache.backends.transfer import TransferBackend
+from hicache.backends.transfer import TransferBackend, TransferEngine
 from hicache.core.geometry import KVGeometry
+from hicache.errors import ConfigError
 from hicache.spec.model import Tier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -65,3 +66,27 @@ def test_restore_from_l3_on_cuda(page_size: int, blocking: bool, backend: Transf
     c.check_integrity()
     c.release(req)
     c.close()
+
+
+def test_the_ring_paths_are_set_up_when_the_cache_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index buffers, the ring and the kernel choice (autotune, compiles) exist before
+    any transfer: a workload whose copies take the copy and straight paths first would
+    otherwise pay them in its first fragmented restore, seconds into serving. An explicit
+    backend that cannot run here is a ConfigError at construction."""
+    g = KVGeometry(4, 2, 64, 16, torch.bfloat16)
+
+    def build(backend: TransferBackend) -> HiCache:
+        return HiCache(HiCacheConfig(g, l1_pages=64, l2_pages=64, device="cuda", transfer_backend=backend))
+
+    c = build("auto")
+    dev = c.device
+    assert dev._ids is not None and dev._ring is not None and dev.gather_backend is not None
+    assert dev.status()["workspaces"] == 1 and sum(dev.paths.values()) == 0  # no transfer ran
+    c.close()
+
+    def broken(self: TransferEngine) -> None:
+        raise RuntimeError("no Triton here")  # what an explicit backend's first launch raises
+
+    monkeypatch.setattr(TransferEngine, "_choose", broken)
+    with pytest.raises(ConfigError, match="transfer backend 'triton' does not work here"):
+        build("triton")
