@@ -495,22 +495,29 @@ class TransferEngine:
         self._straight_max_pages = _count("straight_max_pages", value)
 
     def prepare(self) -> None:
-        """Do the ring paths' one-time setup now: the index buffers, the ring, the choice of
-        gather/scatter kernels (timed on this geometry) and the layered scatter's compiles.
+        """Do the ring paths' one-time setup now: the index buffers, the choice of
+        gather/scatter kernels (timed on this geometry, in the ring) and the layered
+        scatter's compiles. The ring itself is freed again: it is allocated at the first
+        transfer that needs it, as before, so memory sized for the forwards stays theirs.
 
-        NOTE: otherwise the first transfer that needs them pays it, and a workload whose
-        transfers take the copy and straight paths (which need none of it) meets it
+        NOTE: otherwise the first transfer that needs the ring pays all of it, and a workload
+        whose transfers take the copy and straight paths (which need none of it) meets it
         seconds later, in a live request's restore: the first fragmented one. A failure to
         allocate is logged and left to that transfer (it fails, the request recomputes); an
         explicitly requested backend that does not work here is a ConfigError."""
-        if not self.cuda:
+        if not self.cuda or self.gather_backend is not None:
             return
         try:
             self._setup("ring")
         except _AllocationFailed as exc:
             log.warning("hicache transfer: setup deferred to the first transfer: %s", exc)
+            return
         except Exception as exc:
-            raise ConfigError(f"transfer backend {self.requested!r} does not work here: {exc!r}") from exc
+            raise ConfigError(f"the transfer engine's setup failed (backend {self.requested!r}): {exc!r}") from exc
+        if self._ring is not None:
+            self.stream.synchronize()  # the autotune's copies have left the ring
+            self._ring = None
+            torch.cuda.empty_cache()
 
     @property
     def kernel_stream(self) -> Any:

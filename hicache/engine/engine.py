@@ -318,6 +318,7 @@ class Engine:
         self._idle_streak = 0  # idle steps in a row while every restore reads storage
         self._admission_held = False  # a request gave its pins back for others: admit none until one moves
         self._starting: list[tuple[_Seq, Plan]] = []  # admitted in this step, restore not yet started
+        self._batch_end: Any = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -534,14 +535,24 @@ class Engine:
         self._starting.append((seq, plan))
 
     def _start_restores(self, beside_decode: bool = False) -> None:
-        """Start the restores admitted in this step; a refusal fails only its request."""
-        starting, self._starting = self._starting, []
-        t0 = time.perf_counter()
-        for seq, plan in starting:
-            if self._active.get(seq.id) is seq:
-                self._guarded(seq, functools.partial(self._start_restore, plan=plan))
-        if beside_decode and starting:
-            self.stats.restore_issue_s_beside_decode += time.perf_counter() - t0
+        """Start the restores admitted in this step; a refusal fails only its request. If an
+        exception escapes (a bug, an interrupt), the requests whose restore did not start
+        recompute instead of waiting for a restore that never comes."""
+        starting, self._starting = deque(self._starting), []
+        any_started, t0 = bool(starting), time.perf_counter()
+        try:
+            while starting:
+                seq, plan = starting[0]
+                if self._active.get(seq.id) is seq:
+                    self._guarded(seq, functools.partial(self._start_restore, plan=plan))
+                starting.popleft()
+        finally:
+            for seq, _ in starting:
+                if seq.state is SeqState.RESTORING and seq.restore is None:
+                    seq.state = SeqState.READY
+                    self._restore_failed(seq)
+            if beside_decode and any_started:
+                self.stats.restore_issue_s_beside_decode += time.perf_counter() - t0
 
     def _start_restore(self, seq: _Seq, plan: Plan) -> None:
         cache = self.cache
@@ -573,7 +584,13 @@ class Engine:
             return  # no room now: the request prefills after its restore, as usual
         seq.own = own
         prefix = restore.pages[: cached // ps]
-        logits = self.runner.forward([(prompt[cached:], prefix + own, cached)], layered=True)[0]
+        try:
+            logits = self.runner.forward([(prompt[cached:], prefix + own, cached)], layered=True)[0]
+        except BaseException:
+            # NOTE: kernels it queued may still write its own pages, which go back to the
+            # pool when the request fails: whoever takes them next is ordered after them.
+            self.runner.join_layered()
+            raise
         seq.layered = _Layered(logits, cached, prefix)
         self.stats.layered_prefills += 1
         self.stats.layered_launch_s += time.perf_counter() - t0
@@ -677,29 +694,50 @@ class Engine:
 
     def _decode(self, seqs: list[_Seq]) -> None:
         """One decode batch; the restores admitted in this step start after it is launched
-        and before its tokens are read (on a GPU their host work overlaps the batch)."""
+        and before its tokens are read (on a GPU their host work overlaps the batch).
+
+        Accounting: the batch's time counts as overlap for a restore started beside it only
+        from the restore's start, and only while the batch was still running on the device
+        when the last start returned (its end is then when its tokens came back); a batch
+        that ended during the starts (on a CPU: before them) credits them nothing, and its
+        own time excludes the starts' host time."""
         t0 = time.perf_counter()
         batch = [([s.out[-1]], s.pages, len(s.prompt) + len(s.out) - 1) for s in seqs]
-        mark = self.runner.mark() if self._starting else None
+        beside = bool(self._starting)
+        pending = any(s.restore is not None for s in self._active.values() if s.state is SeqState.RESTORING)
+        mark = self.runner.mark() if beside else None
+        launched = starts_done = t0
+        busy = False
         try:
             try:
                 picked = self.runner.forward(batch).argmax(-1)
                 launched = time.perf_counter()  # on a CPU the batch has run by now
+                if beside and self._batch_end is not None:
+                    self._batch_end.record()
             finally:
                 with self.runner.after(mark):  # their copies wait for what came before the batch only
                     self._start_restores(beside_decode=True)
+            starts_done = time.perf_counter()
+            busy = beside and self._batch_end is not None and not self._batch_end.query()
             tokens = picked.tolist()  # waits for the GPU
         except torch.OutOfMemoryError as exc:
             for seq in seqs:
                 self._fail(seq, f"OutOfMemoryError in decode: {exc}")
             return
-        ended = time.perf_counter() if self.cuda else launched
-        seconds = ended - t0
+        now = time.perf_counter()
+        if not self.cuda:
+            ended, seconds = launched, launched - t0
+        elif not beside or busy:
+            ended, seconds = now, now - t0
+        else:
+            ended, seconds = launched, now - t0 - (starts_done - launched)
         self.stats.decode_batches += 1
         self.stats.decode_tokens += len(seqs)
         self.stats.decode_s += seconds
-        if any(s.state is SeqState.RESTORING for s in self._active.values()):
-            self.stats.decode_s_while_restoring += seconds
+        part = seconds if pending else max(0.0, min(seconds, ended - launched)) if beside else 0.0
+        if part > 0:
+            self.stats.decode_s_while_restoring += part
+        if pending or beside:
             self.cache.note_decode(seconds, ended=ended)
         for seq, token in zip(seqs, tokens, strict=True):
             seq.out.append(int(token))

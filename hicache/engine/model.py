@@ -568,15 +568,16 @@ class ModelRunner:
             host = self._hosts[k]
             if host is None or host.numel() < n:
                 host = self._hosts[k] = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True)
-            if self._dev is None or self._dev.numel() < n:
-                self._dev = torch.empty(host.numel(), dtype=torch.int64, device=self.pool.device)
             host[:n].copy_(flat)
             if dst is not None:
                 target = dst
             elif fresh:
                 target = torch.empty(n, dtype=torch.int64, device=self.pool.device)
             else:
-                assert self._dev is not None
+                # NOTE: grown only here, on the caller's stream that reads it: grown under the
+                # side stream, its memory would go back to that stream's pool unrecorded.
+                if self._dev is None or self._dev.numel() < n:
+                    self._dev = torch.empty(host.numel(), dtype=torch.int64, device=self.pool.device)
                 target = self._dev
             dev = target[:n]
             if self._upload_kernel:  # not a DMA: see kernels.upload_triton (checked in _warm_upload)

@@ -630,6 +630,55 @@ def test_a_restore_whose_start_is_refused_recomputes(monkeypatch: pytest.MonkeyP
     assert st.requests == 0 and st.core.leases == 0
 
 
+@pytest.mark.parametrize("decoding", [False, True])
+def test_an_exception_escaping_a_restore_start_leaves_the_others_to_recompute(
+    monkeypatch: pytest.MonkeyPatch, decoding: bool
+) -> None:
+    """Two restores admitted in one step; the first start raises something that is not a
+    request's failure (a bug, an interrupt), which escapes the step. Neither request may be
+    left waiting for a restore that never comes: both finish, recomputed, with the tokens
+    of their first runs, and the cache stays consistent."""
+    e = engine(max_batch=4)
+    prompts = [[random.Random(seed).randrange(512) for _ in range(50)] for seed in (1, 2)]
+    first = [e.generate(p, max_new_tokens=2) for p in prompts]
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    if decoding:
+        _start_decoding(e, random.Random(3))
+    real, calls = e.cache.start_restore, []
+
+    def flaky(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("not a request's failure")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(e.cache, "start_restore", flaky)
+    rids = [e.submit(p, max_new_tokens=2) for p in prompts]
+    with pytest.raises(RuntimeError, match="not a request's failure"):
+        e.step()
+    assert len(calls) == 1 and all(e.state_of(r) is SeqState.READY for r in rids)
+    outs = {o.id: o for o in e.run()}
+    for rid, want in zip(rids, first, strict=True):
+        assert outs[rid].error is None and outs[rid].restored_from == "L1" and outs[rid].tokens == want.tokens
+    e.cache.check_integrity()
+
+
+def test_a_decode_batch_credits_a_restore_started_after_it_nothing_on_cpu() -> None:
+    """On a CPU the batch has run before the restores admitted beside it start: it counts as
+    decode time, not as decode while restoring, and the restore is credited no overlap."""
+    e, prompt, _ = _in_l2_only(4)
+    _start_decoding(e, random.Random(4))
+    before, overlapped = e.stats.decode_s_while_restoring, e.cache.metrics.restore_overlapped_s
+    rid = e.submit(prompt, max_new_tokens=1)
+    decode_s, batches = e.stats.decode_s, e.stats.decode_batches
+    e.step()
+    assert e.stats.decode_batches == batches + 1 and e.stats.decode_s > decode_s
+    assert e.state_of(rid) is SeqState.RESTORING and e.stats.decode_s_while_restoring == before
+    e.run()
+    assert e.cache.metrics.restore_overlapped_s == overlapped
+
+
 def test_run_returns_the_outputs_of_requests_aborted_before_it() -> None:
     """Aborting every request leaves nothing to step; ``run`` still hands back their
     outputs (error "aborted"), once."""
