@@ -511,13 +511,15 @@ class TransferEngine:
             self._setup("ring")
         except _AllocationFailed as exc:
             log.warning("hicache transfer: setup deferred to the first transfer: %s", exc)
-            return
         except Exception as exc:
             raise ConfigError(f"the transfer engine's setup failed (backend {self.requested!r}): {exc!r}") from exc
-        if self._ring is not None:
-            self.stream.synchronize()  # the autotune's copies have left the ring
-            self._ring = None
-            torch.cuda.empty_cache()
+        finally:
+            if self._ring is not None:
+                torch.cuda.synchronize(self.l1.device)  # the autotune's kernels have left the ring
+                self._ring = None
+                # NOTE: the ring's memory sits in the transfer stream's pool, which the forwards
+                # cannot reuse: hand it back (a device-wide sync, once, while the cache is built).
+                torch.cuda.empty_cache()
 
     @property
     def kernel_stream(self) -> Any:

@@ -520,7 +520,16 @@ class Engine:
         t0 = time.perf_counter()
         self._active[seq.id] = seq
         seq.state = SeqState.READY
-        seq.req = cache.admit(seq.prompt)
+        try:
+            seq.req = cache.admit(seq.prompt)
+        except BaseException as exc:
+            if not isinstance(exc, HiCacheError) or isinstance(exc, IntegrityError):
+                # NOTE: not the request's failure (a bug, an interrupt): it was not admitted,
+                # so it waits again instead of staying active without a cache request.
+                del self._active[seq.id]
+                seq.state = SeqState.WAITING
+                self._waiting.appendleft(seq)
+            raise
         plan = cache.plan(seq.req) if self.enabled else None
         self.stats.cache_s += time.perf_counter() - t0
         if plan is None or plan.tier is Tier.L1:
@@ -548,7 +557,7 @@ class Engine:
                 starting.popleft()
         finally:
             for seq, _ in starting:
-                if seq.state is SeqState.RESTORING and seq.restore is None:
+                if self._active.get(seq.id) is seq and seq.state is SeqState.RESTORING and seq.restore is None:
                     seq.state = SeqState.READY
                     self._restore_failed(seq)
             if beside_decode and any_started:

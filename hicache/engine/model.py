@@ -343,6 +343,7 @@ class ModelRunner:
         self._capture_stream: Any = None  # where the other graphs are captured
         self._issue: Any = None  # where work queued in after() runs: behind a mark() only
         self._mark: Any = None
+        self._caller: Any = None  # the caller's stream, while inside after()
         self._layered_done: Any = None
         layers = pool.geometry.num_layers
         groups = layer_groups or [(x, x + 1) for x in range(layers)]
@@ -431,14 +432,20 @@ class ModelRunner:
             yield
             return
         self._issue.wait_event(mark)
-        with torch.cuda.stream(self._issue):
-            yield
+        self._caller = torch.cuda.current_stream(self.pool.device)
+        try:
+            with torch.cuda.stream(self._issue):
+                yield
+        finally:
+            self._caller = None
 
     def join_layered(self) -> None:
         """Order the caller's stream after every layered forward launched so far (before it
         reads their outputs or pages, or hands their pages to someone else)."""
         if self._side is not None:
             torch.cuda.current_stream(self.pool.device).wait_stream(self._side)
+            if self._caller is not None:  # inside after(): the pages' next users run there too
+                self._caller.wait_stream(self._side)
 
     @property
     def graphs_captured(self) -> int:

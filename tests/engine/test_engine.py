@@ -664,6 +664,30 @@ def test_an_exception_escaping_a_restore_start_leaves_the_others_to_recompute(
     e.cache.check_integrity()
 
 
+def test_an_exception_escaping_admission_leaves_the_request_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cache.admit`` raising something that is not the request's failure escapes the step;
+    the request was not admitted, so it waits again and is served by the next steps."""
+    e = engine()
+    prompt = [random.Random(5).randrange(512) for _ in range(30)]
+    want = e.generate(prompt, max_new_tokens=2)
+    real, calls = e.cache.admit, []
+
+    def flaky(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("not a request's failure")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(e.cache, "admit", flaky)
+    rid = e.submit(prompt, max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="not a request's failure"):
+        e.step()
+    assert e.state_of(rid) is SeqState.WAITING
+    (out,) = e.run()
+    assert out.id == rid and out.error is None and out.tokens == want.tokens
+    e.cache.check_integrity()
+
+
 def test_a_decode_batch_credits_a_restore_started_after_it_nothing_on_cpu() -> None:
     """On a CPU the batch has run before the restores admitted beside it start: it counts as
     decode time, not as decode while restoring, and the restore is credited no overlap."""
