@@ -630,6 +630,21 @@ def test_a_restore_whose_start_is_refused_recomputes(monkeypatch: pytest.MonkeyP
     assert st.requests == 0 and st.core.leases == 0
 
 
+def _raise_once(monkeypatch: pytest.MonkeyPatch, e: Engine, name: str) -> list[int]:
+    """The engine's ``cache.<name>`` raises a RuntimeError (not a request's failure: a bug,
+    an interrupt) on its first call, then works; returns the list of calls made."""
+    real, calls = getattr(e.cache, name), []
+
+    def flaky(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("not a request's failure")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(e.cache, name, flaky)
+    return calls
+
+
 @pytest.mark.parametrize("decoding", [False, True])
 def test_an_exception_escaping_a_restore_start_leaves_the_others_to_recompute(
     monkeypatch: pytest.MonkeyPatch, decoding: bool
@@ -645,15 +660,7 @@ def test_an_exception_escaping_a_restore_start_leaves_the_others_to_recompute(
     e.cache.core.evict(Tier.L1, 10**6)
     if decoding:
         _start_decoding(e, random.Random(3))
-    real, calls = e.cache.start_restore, []
-
-    def flaky(*args: Any, **kw: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("not a request's failure")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(e.cache, "start_restore", flaky)
+    calls = _raise_once(monkeypatch, e, "start_restore")
     rids = [e.submit(p, max_new_tokens=2) for p in prompts]
     with pytest.raises(RuntimeError, match="not a request's failure"):
         e.step()
@@ -670,15 +677,7 @@ def test_an_exception_escaping_admission_leaves_the_request_waiting(monkeypatch:
     e = engine()
     prompt = [random.Random(5).randrange(512) for _ in range(30)]
     want = e.generate(prompt, max_new_tokens=2)
-    real, calls = e.cache.admit, []
-
-    def flaky(*args: Any, **kw: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("not a request's failure")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(e.cache, "admit", flaky)
+    _raise_once(monkeypatch, e, "admit")
     rid = e.submit(prompt, max_new_tokens=2)
     with pytest.raises(RuntimeError, match="not a request's failure"):
         e.step()
