@@ -460,6 +460,9 @@ def engine_kwargs(args: argparse.Namespace, net: torch.nn.Module, **overrides: A
     if args.hicache_storage_backend_extra_config is not None:
         kw["storage_extra"] = args.hicache_storage_backend_extra_config
     kw.update(overrides)
+    if not kw["enable_hicache"]:  # no L2/L3 without it (ineffective_flags says so for flags given)
+        kw.setdefault("l2_pages", 0)
+        kw.setdefault("l3_pages", 0)
     if "l2_pages" not in kw or "l3_pages" not in kw:
         bpp = kv_geometry(net, kw["page_size"]).bytes_per_page
         if "l2_pages" not in kw:

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import itertools
 import time
+import warnings
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -236,6 +237,13 @@ class EngineConfig:
             raise ConfigError(f"enable_hicache must be a bool, got {enable_hicache!r}")
         if enable_hicache and not l2_pages:
             raise ConfigError("enable_hicache needs l2_pages > 0")
+        if not enable_hicache and (l2_pages or l3_pages):
+            warnings.warn(
+                f"l2_pages={l2_pages!r}, l3_pages={l3_pages!r} have no effect without enable_hicache=True "
+                "(the engine keeps its L1 prefix cache only)",
+                UserWarning,
+                stacklevel=3,
+            )
         if not isinstance(policy, str) or policy not in {k.value for k in Policy}:
             raise ConfigError(f"policy must be one of {[k.value for k in Policy]}, got {policy!r}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:

@@ -3,6 +3,7 @@ refuses work, and generate() loses no other request's output."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -76,3 +77,16 @@ def test_generate_keeps_the_other_requests_outputs_for_the_next_run() -> None:
     assert [o.id for o in rest] == [a]
     assert e.run() == []
     e.close()
+
+
+def test_tier_sizes_without_enable_hicache_warn_that_they_do_nothing() -> None:
+    """``l2_pages``/``l3_pages`` without ``enable_hicache``: the engine runs with L1 only and
+    says so; with it, or with no tier sizes, nothing is said."""
+    with pytest.warns(UserWarning, match="no effect without enable_hicache"):
+        e = Engine("tiny", device="cpu", num_pages=16, l2_pages=8)
+    assert e.config.cache.l2_pages == 0 and e.config.cache.l3_pages == 0 and not e.enabled
+    e.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kw in ({}, {"enable_hicache": True, "l2_pages": 8}):
+            Engine("tiny", device="cpu", num_pages=16, **kw).close()  # type: ignore[arg-type]
