@@ -294,7 +294,8 @@ def test_the_layered_restore_is_on_by_default_where_the_copy_can_signal_layers(
     assert e.layered is False  # CPU: the copy cannot signal layers
     e.close()
     monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
-    for kw, want in (({}, True), ({"prefetch": False}, False), ({"enable_hicache": False}, False)):
+    off: dict[str, object] = {"enable_hicache": False, "l2_pages": 0, "l3_pages": 0}
+    for kw, want in (({}, True), ({"prefetch": False}, False), (off, False)):
         e = engine(**kw)
         assert e.layered is want, kw
         e.close()
