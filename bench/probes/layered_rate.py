@@ -163,21 +163,26 @@ def main(argv: list[str] | None = None) -> int:
 
     alone = wall(compute, reps)
     print(f"\n3. beside a matmul loop ({alone * 1e3:.2f} ms alone; it reads 100 MiB of weights per matmul)")
+
+    def beside(copy: Callable[[], None], out_: list[float]) -> Callable[[], None]:
+        """``copy`` on the current stream while ``compute`` runs on ``side``; its span to ``out_``."""
+
+        def go() -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                compute()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            a.record()
+            copy()
+            b.record()
+            b.synchronize()
+            torch.cuda.current_stream().wait_stream(side)
+            out_.append(a.elapsed_time(b) / 1e3)
+
+        return go
+
     timed: list[float] = []
-
-    def plain_beside(out_: list[float] = timed) -> None:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            compute()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        a.record()
-        plain_h2d()
-        b.record()
-        b.synchronize()
-        torch.cuda.current_stream().wait_stream(side)
-        out_.append(a.elapsed_time(b) / 1e3)
-
-    total = wall(plain_beside, reps)
+    total = wall(beside(plain_h2d, timed), reps)
     print(
         f"  plain copy              : both {total * 1e3:7.3f} ms; H2D service "
         f"{statistics.median(timed) * 1e3:7.3f} ms, {plain / statistics.median(timed):.3f} of plain"
@@ -202,20 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         ("rows of 36 layers, 2 DMAs ", row_dmas(36)),
     ):
         row_spans: list[float] = []
-
-        def rows_beside(f: Callable[[], None] = fn, out_: list[float] = row_spans) -> None:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                compute()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            a.record()
-            f()
-            b.record()
-            b.synchronize()
-            torch.cuda.current_stream().wait_stream(side)
-            out_.append(a.elapsed_time(b) / 1e3)
-
-        wall(rows_beside, reps)
+        wall(beside(fn, row_spans), reps)
         alone_t = wall(fn, reps)
         print(
             f"  {label}: H2D service {statistics.median(row_spans) * 1e3:7.3f} ms beside, "
