@@ -36,6 +36,7 @@ from common import (
 from plots import plot_latency
 from tqdm import tqdm
 
+import hicache.backends.transfer as transfer_engine
 from hicache.engine import build_model
 from hicache.engine.cli import (
     ArgParser,
@@ -93,6 +94,10 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         max_batch=1,
     )
     engine.cache.device.split_layered = args.split_layered
+    if args.d2d_runs is not None:
+        engine.cache.device.d2d_runs = args.d2d_runs
+    if args.d2d_min_bytes is not None:
+        engine.cache.device.d2d_min_bytes = args.d2d_min_bytes
     if args.straight_runs is not None:
         engine.cache.device.straight_runs = args.straight_runs
     if args.straight_max_pages is not None:
@@ -259,6 +264,25 @@ def main(argv: list[str] | None = None) -> None:
         "default: TransferEngine's)",
     )
     b.add_argument(
+        "--d2d-runs",
+        type=at_least(0),
+        default=None,
+        help="the most runs of L1 pages a layered restore fills by row DMAs out of the ring "
+        "(0: the scatter kernel, or straight into L1; default: TransferEngine's)",
+    )
+    b.add_argument(
+        "--d2d-min-bytes",
+        type=at_least(0),
+        default=None,
+        help="the fewest bytes a layered restore moves by row DMAs out of the ring (default: TransferEngine's)",
+    )
+    b.add_argument(
+        "--layer-group",
+        type=at_least(1),
+        default=None,
+        help="the first and last layer group's size of a layered restore (default: TransferEngine's)",
+    )
+    b.add_argument(
         "--straight-max-pages",
         type=at_least(0),
         default=None,
@@ -272,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     short = [p for p in args.prefix_tokens if p < args.page_size]
     if short:
         ap.error(f"--prefix-tokens {short[0]}: less than one page (--page-size {args.page_size}): nothing to restore")
+    if args.layer_group is not None:  # read as each row's engine builds its transfer engine
+        transfer_engine.LAYER_GROUP = args.layer_group
     dtype = dtype_of(args)
     try:
         net = build_model(args.model, device=args.device, dtype=dtype)

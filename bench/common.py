@@ -192,8 +192,17 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
         "prefetch": engine.prefetch,
         "transfer": {
             k: engine.cache.device.status()[k]
-            for k in ("gather", "scatter", "split_layered", "straight_runs", "straight_max_pages")
-        },
+            for k in (
+                "gather",
+                "scatter",
+                "split_layered",
+                "straight_runs",
+                "straight_max_pages",
+                "d2d_runs",
+                "d2d_min_bytes",
+            )
+        }
+        | {"layer_groups": engine.cache.device.layer_groups()},
     }
 
 

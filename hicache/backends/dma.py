@@ -72,6 +72,16 @@ def copy_rows_raw(dst: int, dpitch: int, src: int, spitch: int, width: int, rows
         raise RuntimeError(f"cudaMemcpy2DAsync failed: {err!r}")
 
 
+def copy_rows_device(dst: int, dpitch: int, src: int, spitch: int, width: int, rows: int, stream: Any) -> None:
+    """:func:`copy_rows_raw` between two device addresses: on the copy engine (no SMs), so a
+    forward running beside it keeps them; unchecked."""
+    if rows == 0 or width == 0:
+        return
+    (err,) = _rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, _ANY, stream.cuda_stream)
+    if err != _OK:
+        raise RuntimeError(f"cudaMemcpy2DAsync failed: {err!r}")
+
+
 def copy_rows_host(dst: int, dpitch: int, src: int, spitch: int, width: int, rows: int) -> None:
     """:func:`copy_rows_raw` between host addresses, synchronously (what a layered H2D does
     on a machine without CUDA, so its address arithmetic runs in CPU tests)."""

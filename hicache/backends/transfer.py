@@ -19,21 +19,29 @@ A transfer larger than one chunk alternates two streams: gathers (scatters) on
 
 ``layered`` (H2D with ``layer_events``, CUDA with cuda-python): per group of layers
 (:meth:`TransferEngine.layer_groups`), strided DMAs of those layers into a ring slot in a
-compact layout and one scatter with at most ``scatter_programs`` programs (fragmented L2
-pages: one zero-copy load from L2 instead); then the distinct events among
+compact layout (rows of a group's layers of a page: wide), then out of the slot into L1;
+fragmented L2 pages: one zero-copy load from L2 instead. Then the distinct events among
 ``layer_events[lo:hi]`` are recorded, each only after those layers of every page landed.
-All on ``stream`` by default; with ``split_layered``, DMAs on ``stream`` and scatters, loads
-and records on ``kernel_stream``, so the copy engine runs from one group to the next without
-waiting for a scatter::
+Out of the slot: into L1 pages forming at most ``d2d_runs`` runs (a restore of at least
+``d2d_min_bytes``), row DMAs device to device (copy engine, no SMs), else one scatter with
+at most ``scatter_programs`` programs. Row DMAs, and scatters with ``split_layered``, go on
+``kernel_stream``, DMAs from L2 on ``stream``, so the copy from L2 runs from one group to
+the next without waiting for the move out of a slot::
 
-    stream:         DMA g0 | DMA g1 | DMA g2 | ...           (slot k refilled once scattered)
-    kernel_stream:         | scat 0 | scat 1 | scat 2 ...   (records g's layer events)
+    stream:         DMA g0 | DMA g1 | DMA g2 | ...           (slot k refilled once moved out)
+    kernel_stream:         | out 0  | out 1  | out 2 ...    (records g's layer events)
 
-When the pages are at most ``straight_max_pages`` and form at most ``straight_runs`` runs
-consecutive in both pools (the L1 allocator hands out consecutive pages when it can), a
-layered H2D skips the ring: per group,
-one strided DMA per run and per K/V row of each layer, straight into L1, then the group's
-events, all on ``stream``.
+The rows of the DMAs from L2 are why: L2 keeps a page's layers together and L1 a layer's
+pages, so a DMA straight from one into the other has rows of one layer of a page (32 KiB
+for Qwen3-8B), and those run at 0.86-0.88 of a plain copy beside the forward the restore
+overlaps, where rows of two layers or more keep its rate (bench/probes/copy_engines.py).
+
+Otherwise, when the pages are at most ``straight_max_pages`` and form at most
+``straight_runs`` runs consecutive in both pools (the L1 allocator hands out consecutive
+pages when it can), or when the ring cannot be allocated, a layered H2D skips the ring: per
+group, one strided DMA per run and per K/V row of each layer, straight into L1, then the
+group's events, all on ``stream``. Below ``d2d_min_bytes`` the copy ends well before the
+forward beside it and this path's lower host cost wins.
 
 Streams: a transfer starts on ``stream`` behind the caller's current stream (pages and
 page ids it produced are ready; pages it still reads are not overwritten) and ends there
@@ -102,9 +110,43 @@ COPY_MAX_PAGES = 32
 # through the ring, chunk by chunk.
 STRAIGHT_RUNS = 2
 STRAIGHT_MAX_PAGES = 256
+# A layered H2D through the ring moves each slot into L1 pages forming at most D2D_RUNS runs
+# by row DMAs on the copy engine (2 x layers per run, device to device), on the kernel stream;
+# more runs take the scatter kernel. Beside a forward its host-to-device DMAs then have rows
+# of a layer group of a page (>= 64 KiB from groups of 2 layers), which keep the plain
+# rate, where the straight path's 32 KiB rows drop to 0.86-0.88 of it
+# (bench/probes/copy_engines.py, 219 pages on an H200). Preferred to the straight path when
+# the ring can be had; the straight path is the fallback when it cannot.
+D2D_RUNS = 2
+# ... and only from this many bytes: below, the copy ends well before the forward beside it
+# and the straight path's lower host cost wins (350 tokens of Qwen3-8B: 1.12x its floor
+# straight, 1.20x by row DMAs; 3,500 tokens: 1.40x straight, 1.32x by row DMAs).
+D2D_MIN_BYTES = 256 << 20
+# The first (and last) layer group's size, doubling to MAX_LAYER_GROUP in between.
+LAYER_GROUP = 1
+MAX_LAYER_GROUP = 8
 # torch.cuda's Stream and Event constructors are unannotated; use them through Any.
 _Stream: Any = torch.cuda.Stream
 _Event: Any = torch.cuda.Event
+
+
+def layer_groups(layers: int, first: int, most: int) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` layer ranges of a layered H2D, in order: sizes grow from ``first``
+    by doubling to ``most`` and shrink the same way at the end (1, 2, 4, 8, 6, 8, 4, 2, 1 for
+    36 layers from 1 to 8). Small first groups let the forward start early; small last ones
+    leave it little to do after the last layer lands (when the copy is the slower, the
+    forward waits on every group's end)."""
+    head: list[int] = []
+    tail: list[int] = []
+    left, size = layers, first
+    while left > 0:
+        for part in (head, tail):
+            if left > 0:
+                part.append(min(size, left))
+                left -= part[-1]
+        size = min(2 * size, most)
+    bounds = list(itertools.accumulate(head + tail[::-1], initial=0))
+    return list(itertools.pairwise(bounds))
 
 
 def page_runs(pages: Sequence[int]) -> list[tuple[int, int]]:
@@ -165,11 +207,16 @@ class _Ring:
         self.pages, self.count = pages, count
         self.memory = torch.empty((count * pages, 2 * g.num_layers, g.page_elements), dtype=g.dtype, device=device)
         self.nbytes = self.memory.numel() * self.memory.element_size()
+        self.base, self.slot_bytes = self.memory.data_ptr(), self.nbytes // count
         self.ready: list[Any] = [_Event() for _ in range(count)] if cuda else []
         self.free: list[Any] = [_Event() for _ in range(count)] if cuda else []
 
     def slot(self, k: int) -> torch.Tensor:
         return self.memory[k * self.pages : (k + 1) * self.pages]
+
+    def at(self, k: int) -> int:
+        """The address of slot ``k`` (what DMAs into it need: no tensor view to build)."""
+        return self.base + k * self.slot_bytes
 
     def flat(self, k: int, shape: tuple[int, int, int]) -> torch.Tensor:
         """Slot ``k`` seen as a contiguous ``shape`` (at most the slot's elements)."""
@@ -251,9 +298,12 @@ class TransferEngine:
     transfer goes direct (0: never); ``fences`` says what a transfer does about pages another
     backend still moves: ``wait`` for it, or ``raise`` :class:`PagesInFlightError`;
     ``split_layered`` runs a layered H2D's scatters on the kernel stream, so its DMAs never
-    wait for a scatter; a layered H2D of at most ``straight_max_pages`` pages forming at
-    most ``straight_runs`` runs (consecutive in L1 and in L2 alike) is copied straight into
-    L1, without the ring (either 0: never; module docstring).
+    wait for a scatter; a layered H2D of at least ``d2d_min_bytes`` into L1 pages forming at
+    most ``d2d_runs`` runs (0: never) goes through the ring and out of it by row DMAs;
+    otherwise one of at most ``straight_max_pages`` pages forming at most ``straight_runs``
+    runs (consecutive in L1 and in L2 alike) is copied straight into L1, without the ring
+    (either 0: never), as is one that could go either way when the ring cannot be
+    allocated (module docstring).
     """
 
     def __init__(
@@ -264,8 +314,8 @@ class TransferEngine:
         *,
         faults: FaultInjector | None = None,
         min_run_bytes: int = 256 * 1024,
-        layer_group: int = 1,
-        max_layer_group: int = 8,
+        layer_group: int | None = None,
+        max_layer_group: int = MAX_LAYER_GROUP,
         scatter_programs: int = 32,
         chunk_bytes: int = CHUNK_BYTES,
         chunks: int = CHUNKS,
@@ -275,7 +325,10 @@ class TransferEngine:
         split_layered: bool = False,
         straight_runs: int = STRAIGHT_RUNS,
         straight_max_pages: int = STRAIGHT_MAX_PAGES,
+        d2d_runs: int = D2D_RUNS,
+        d2d_min_bytes: int = D2D_MIN_BYTES,
     ) -> None:
+        layer_group = LAYER_GROUP if layer_group is None else layer_group
         if backend not in ("auto", "triton", "torch"):
             raise ConfigError(f"transfer backend must be auto, triton or torch; got {backend!r}")
         if l1.geometry != l2.geometry:
@@ -296,6 +349,7 @@ class TransferEngine:
         self.l2 = l2
         self.geometry = g = l1.geometry
         self.bytes_per_page = g.bytes_per_page
+        self._slab = g.page_elements * l1.buffer.element_size()  # one layer's K (or V) of a page
         self.requested = backend
         self.cuda = l1.device.type == "cuda"
         self.triton_usable = kernels.HAVE_TRITON and (self.cuda or os.environ.get("TRITON_INTERPRET") == "1")
@@ -327,6 +381,10 @@ class TransferEngine:
         self.straight_runs = straight_runs  # the properties check them (here and when set later)
         self.straight_max_pages = straight_max_pages
         self.straight = 0  # layered H2Ds that went straight into L1
+        self.d2d_runs = d2d_runs
+        self.d2d_min_bytes = d2d_min_bytes
+        self.d2d = 0  # layered H2Ds whose slots went into L1 by row DMAs
+        self._straight_only = False  # the ring could not be had for a layered H2D
         self.copy_max_pages = (COPY_MAX_PAGES if self.cuda else 0) if copy_max_pages is None else copy_max_pages
         self.copy_usable = self.copy_max_pages > 0 and (dma.AVAILABLE or not self.cuda)
         self.fence_policy: FencePolicy = fences
@@ -494,6 +552,25 @@ class TransferEngine:
     def straight_max_pages(self, value: int) -> None:
         self._straight_max_pages = _count("straight_max_pages", value)
 
+    @property
+    def d2d_runs(self) -> int:
+        """The most runs of L1 pages a layered H2D through the ring fills by row DMAs from
+        its slots (0: always the scatter kernel)."""
+        return self._d2d_runs
+
+    @d2d_runs.setter
+    def d2d_runs(self, value: int) -> None:
+        self._d2d_runs = _count("d2d_runs", value)
+
+    @property
+    def d2d_min_bytes(self) -> int:
+        """The fewest bytes a layered H2D by row DMAs moves (below: straight, if it can)."""
+        return self._d2d_min_bytes
+
+    @d2d_min_bytes.setter
+    def d2d_min_bytes(self, value: int) -> None:
+        self._d2d_min_bytes = _count("d2d_min_bytes", value)
+
     def prepare(self) -> None:
         """Do the ring paths' one-time setup now: the index buffers, the choice of
         gather/scatter kernels (timed on this geometry, in the ring) and the layered
@@ -535,22 +612,8 @@ class TransferEngine:
         return self._transfer(Direction.D2H, src, dst)
 
     def layer_groups(self) -> list[tuple[int, int]]:
-        """The ``[lo, hi)`` layer ranges a layered H2D moves, in order (module docstring):
-        sizes grow from ``layer_group`` by doubling to ``max_layer_group`` and shrink the
-        same way at the end (1, 2, 4, 8, 6, 8, 4, 2, 1 for 36 layers). Small first groups
-        let the forward start early; small last ones leave it little to do after the last
-        layer lands (when the copy is the slower, the forward waits on every group's end)."""
-        head: list[int] = []
-        tail: list[int] = []
-        left, size = self.geometry.num_layers, self.layer_group
-        while left > 0:
-            for part in (head, tail):
-                if left > 0:
-                    part.append(min(size, left))
-                    left -= part[-1]
-            size = min(2 * size, self.max_layer_group)
-        bounds = list(itertools.accumulate(head + tail[::-1], initial=0))
-        return list(itertools.pairwise(bounds))
+        """The ``[lo, hi)`` layer ranges a layered H2D moves, in order (:func:`layer_groups`)."""
+        return layer_groups(self.geometry.num_layers, self.layer_group, self.max_layer_group)
 
     @property
     def layered(self) -> bool:
@@ -587,15 +650,18 @@ class TransferEngine:
         self._order(src_fences, src, write=False)  # NOTE: may raise; nothing has changed yet
         self._order(dst_fences, dst, write=True)
         path, runs = self._plan(n, l2_pages, events is not None and self.layered)
-        straight = self._straight_plan(l1_pages, l2_pages) if path == "layered" and events is not None else None
+        layered = path == "layered" and events is not None
+        straight = self._straight_plan(l1_pages, l2_pages) if layered else None
+        l1_runs = self._d2d_plan(l1_pages) if layered else None
         try:
-            if straight is not None:  # NOTE: no ring, no page ids, no kernel: nothing to set up
+            if straight is not None and (l1_runs is None or not self._ring_for(path)):
+                # NOTE: no ring, no page ids, no kernel: nothing to set up
                 assert events is not None
                 self._issue_straight(ticket, l1_pages, l2_pages, straight, events)
             else:
                 if path != "copy":
                     self._setup(path)
-                path = self._issue(ticket, path, d2h, l1_pages, l2_pages, runs, events)
+                path = self._issue(ticket, path, d2h, l1_pages, l2_pages, runs, events, l1_runs)
         except _AllocationFailed as exc:
             self.allocation_failures += 1
             log.warning("hicache %s of %d pages failed: %s", direction.name, n, exc)
@@ -653,14 +719,18 @@ class TransferEngine:
         l2_pages: Sequence[int],
         runs: list[tuple[int, int]],
         events: Sequence[Any] | None,
+        l1_runs: list[tuple[int, int]] | None = None,
     ) -> Path:
-        """Queue the copies (CPU: run them); returns the path taken, attaches the check."""
+        """Queue the copies (CPU: run them); returns the path taken, attaches the check.
+        ``l1_runs``: a layered H2D fills these runs of L1 pages by row DMAs (:meth:`_unpack`)."""
         if path == "copy":
             return self._issue_copy(ticket, d2h, l1_pages, l2_pages, events)
         assert self._ids is not None
         n = len(l1_pages)
         zero_copy = path == "direct" or (path == "layered" and len(runs) > 1 and self.direct_usable)
-        at, count = self._ids.put(l1_pages, l2_pages) if zero_copy else self._ids.put(l1_pages)
+        # NOTE: row DMAs out of the ring read no page ids: none are written or uploaded
+        rows_only = path == "layered" and l1_runs is not None and not zero_copy
+        at, count = (0, 0) if rows_only else self._ids.put(l1_pages, l2_pages) if zero_copy else self._ids.put(l1_pages)
         timer = self._timer() if self.cuda else None
         t = time.perf_counter()
         if timer is not None:
@@ -669,15 +739,17 @@ class TransferEngine:
             try:
                 if timer is not None:
                     timer[0].record(self.stream)
-                ids = self._ids.upload(at, count, timer[1] if timer else None)
-                l1_ids, l2_ids = ids[:n], ids[n + (n & 1) : 2 * n + (n & 1)] if zero_copy else None
+                ids = None if rows_only else self._ids.upload(at, count, timer[1] if timer else None)
+                l1_ids = ids[:n] if ids is not None else None
+                l2_ids = ids[n + (n & 1) : 2 * n + (n & 1)] if ids is not None and zero_copy else None
                 if path == "direct":
-                    assert l2_ids is not None
+                    assert l1_ids is not None and l2_ids is not None
                     path = self._direct(d2h, l1_ids, l2_ids, l2_pages, runs)
                 if path == "layered":
                     assert events is not None
-                    self._layered_copies(l1_ids, l2_ids, l2_pages, runs, events)
+                    self._layered_copies(l1_ids, l2_ids, l2_pages, runs, events, l1_pages, l1_runs)
                 elif path == "ring":
+                    assert l1_ids is not None
                     self._ring_copies(d2h, l1_ids, l2_pages, runs)
                 if events is not None and path != "layered":
                     for event in {id(e): e for e in events}.values():  # every layer lands with the last page
@@ -740,6 +812,32 @@ class TransferEngine:
         fault = self.faults.take("write" if d2h else "read", ("fail", "slow"))
         ticket.bind(self._checker(ticket, timer, fault.kind if fault else None, fault.delay_s if fault else 0.0))
         return "copy"
+
+    def _d2d_plan(self, l1_pages: Sequence[int]) -> list[tuple[int, int]] | None:
+        """The runs of consecutive L1 pages, if there are at most ``d2d_runs`` of them and
+        the pages hold at least ``d2d_min_bytes``: a layered H2D through the ring then fills
+        them by row DMAs from its slots."""
+        if not self.d2d_runs or len(l1_pages) * self.bytes_per_page < self.d2d_min_bytes:
+            return None
+        runs = page_runs(l1_pages)
+        return runs if len(runs) <= self.d2d_runs else None
+
+    def _ring_for(self, path: Path) -> bool:
+        """Whether the ring is (now) set up for ``path``. A layered H2D that could also go
+        straight asks with this: where the ring cannot be allocated it goes straight, and so
+        do later ones without asking again (a failed allocation can cost a device sync)."""
+        if self._ring is not None and self._ids is not None:
+            return True
+        if self._straight_only:
+            return False
+        try:
+            self._setup(path)
+            return True
+        except _AllocationFailed as exc:
+            self.allocation_failures += 1
+            self._straight_only = True
+            log.warning("hicache layered H2D: %s; straight into L1 from now on", exc)
+            return False
 
     def _straight_plan(self, l1_pages: Sequence[int], l2_pages: Sequence[int]) -> list[tuple[int, int]] | None:
         """The runs over which both page lists step by one, if there are at most
@@ -948,31 +1046,37 @@ class TransferEngine:
 
     def _layered_copies(
         self,
-        ids: torch.Tensor,
+        ids: torch.Tensor | None,
         l2_ids: torch.Tensor | None,
         l2_pages: Sequence[int],
         runs: list[tuple[int, int]],
         events: Sequence[Any],
+        l1_pages: Sequence[int],
+        l1_runs: list[tuple[int, int]] | None = None,
     ) -> None:
         """Per group of layers: its layers of every page into L1 (zero-copy from L2 given
         ``l2_ids``; else strided DMAs into ring slots in the compact layout, units of as
-        many pages as a slot holds, one scatter each), then one record per distinct event
-        of the group, all on the transfer stream. With ``split_layered`` (CUDA) the DMAs go
-        on the transfer stream and the scatters, loads and records on the kernel stream, so
-        a group's scatter overlaps the next group's DMAs; a slot is refilled only after its
-        scatter, and the transfer ends after the kernel stream's last work."""
+        many pages as a slot holds, each moved into L1 by :meth:`_unpack`), then one record
+        per distinct event of the group. DMAs on the transfer stream; with ``split_layered``
+        or ``l1_runs`` (CUDA) the unpacking, loads and records on the kernel stream, so a
+        group's unpacking overlaps the next group's DMAs; a slot is refilled only after
+        it was unpacked, and the transfer ends after the kernel stream's last work."""
         g = self.geometry
-        layers, n = g.num_layers, ids.numel()
+        layers, n = g.num_layers, len(l1_pages)
         ring = self._ring
-        assert ring is not None and self._ids is not None
-        copy, kern = self.stream, self.kernel_stream if self.cuda and self.split_layered else None
+        assert ring is not None
+        two = self.cuda and (self.split_layered or l1_runs is not None)
+        copy, kern = self.stream, self.kernel_stream if two else None
         if kern is not None:
             self._wait_join(kern, copy)
         unit = 0
         for lo, hi in self.layer_groups():
             count = hi - lo
-            with self._on(kern):
-                loaded = l2_ids is not None and self._load_in_place(l2_ids, ids, (lo, hi))
+            loaded = False
+            if l2_ids is not None:
+                assert ids is not None
+                with self._on(kern):
+                    loaded = self._load_in_place(l2_ids, ids, (lo, hi))
             if not loaded:
                 per = max(1, ring.pages * layers // count)
                 per -= per & 1 if per > 1 else 0
@@ -981,39 +1085,80 @@ class TransferEngine:
                     k = unit % ring.count
                     if kern is not None and unit >= ring.count:
                         self._wait_free(copy, ring.free[k])
-                    buf = ring.flat(k, (b - a, 2 * count, g.page_elements))
                     unit += 1
-                    self._layer_dmas(buf, (lo, hi), _clip(runs, a, b), a, l2_pages)
+                    self._layer_dmas(ring.at(k), (lo, hi), _clip(runs, a, b), a, l2_pages)
                     if kern is not None:
                         ring.ready[k].record(copy)
                         self._wait_ready(kern, ring.ready[k])
-                    with self._on(kern):
-                        self._scatter_layers(buf, self._ids.arange[: b - a], ids[a:b], (lo, hi))
+                    self._unpack(k, (lo, hi), (a, b), ids, l1_pages, l1_runs, kern)
                     if kern is not None:
                         ring.free[k].record(kern)
             for event in {id(e): e for e in events[lo:hi]}.values():
                 self._record_layer(event, kern if kern is not None else self.stream)
         if kern is not None:
             self._wait_done(copy, kern)
+        if l1_runs is not None and unit:
+            self.d2d += 1
+
+    def _unpack(
+        self,
+        k: int,
+        layers: tuple[int, int],
+        span: tuple[int, int],
+        ids: torch.Tensor | None,
+        l1_pages: Sequence[int],
+        l1_runs: list[tuple[int, int]] | None,
+        stream: Any,
+    ) -> None:
+        """Ring slot ``k`` holding layers ``[lo, hi)`` of pages ``a .. b`` (compact layout) into
+        their L1 pages. Given ``l1_runs``: per run and per K/V row of each layer one row DMA
+        on ``stream`` (the copy engine: device to device, no SMs taken from the forward it
+        overlaps; on CPU the same addresses, copied at once); else the scatter kernel.
+
+            slot  [pages, 2*count, E]   row (kv, i) of page j at (j * 2*count + kv*count + i) * slab
+            L1    [2*layers, pages, E]  row r of page p at (r * pages + p) * slab
+        """
+        a, b = span
+        g, ring = self.geometry, self._ring
+        assert ring is not None
+        lo, hi = layers
+        count = hi - lo
+        if l1_runs is None:
+            assert self._ids is not None and ids is not None
+            buf = ring.flat(k, (b - a, 2 * count, g.page_elements))
+            with self._on(stream):
+                self._scatter_layers(buf, self._ids.arange[: b - a], ids[a:b], layers)
+            return
+        slab = self._slab
+        pitch = 2 * count * slab  # a page in the slot
+        l1_at, l1_row, out = self.l1.slabs.data_ptr(), self.l1.num_pages * slab, ring.at(k)
+        for first, end in _clip(l1_runs, a, b):
+            dst, src = l1_at + l1_pages[first] * slab, out + (first - a) * pitch
+            for kv in (0, 1):
+                for i in range(count):
+                    rows = (dst + (kv * g.num_layers + lo + i) * l1_row, slab, src + (kv * count + i) * slab)
+                    if self.cuda:
+                        dma.copy_rows_device(*rows, pitch, slab, end - first, stream)
+                    else:
+                        dma.copy_rows_host(*rows, pitch, slab, end - first)
 
     def _layer_dmas(
         self,
-        buf: torch.Tensor,
+        out: int,
         layers: tuple[int, int],
         runs: Iterator[tuple[int, int]],
         a: int,
         l2_pages: Sequence[int],
     ) -> None:
-        """Layers ``[lo, hi)`` of pages ``a ..`` from L2 into the compact slot ``buf``: per
+        """Layers ``[lo, hi)`` of pages ``a ..`` from L2 into the compact slot at ``out``: per
         run of consecutive L2 pages one strided DMA of the K slabs and one of the V slabs,
         on the transfer stream (on CPU the same addresses, copied at once)."""
         g = self.geometry
         lo, hi = layers
-        count, size = hi - lo, buf.element_size()
-        slab = g.page_elements * size  # bytes of one layer's K (or V) of a page
+        count, slab = hi - lo, self._slab  # bytes of one layer's K (or V) of a page
         pitch = 2 * g.num_layers * slab  # bytes of a page in L2
         dpitch = 2 * count * slab
-        base, out = self.l2.slabs.data_ptr(), buf.data_ptr()
+        base = self.l2.slabs.data_ptr()
         # NOTE: the DMAs go by address (L2 is pinned, checked at planning): per-copy checks of
         # views cost more host time than the copies' enqueue, and the forward launches after it.
         for first, end in runs:
@@ -1096,6 +1241,9 @@ class TransferEngine:
             "straight_runs": self.straight_runs,
             "straight_max_pages": self.straight_max_pages,
             "straight": self.straight,
+            "d2d_runs": self.d2d_runs,
+            "d2d_min_bytes": self.d2d_min_bytes,
+            "d2d": self.d2d,
             "device": str(self.l1.device),
         }
 

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.backends.pools import DevicePool, HostPool
-from hicache.backends.transfer import STRAIGHT_MAX_PAGES, TransferBackend, TransferEngine
+from hicache.backends.transfer import STRAIGHT_MAX_PAGES, TransferBackend, TransferEngine, page_runs
 from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError
 
@@ -303,27 +303,87 @@ STRAIGHT_LAYOUTS = {  # (L2 pages, L1 pages, runs over which both step by one)
 
 @pytest.mark.parametrize("layout", sorted(STRAIGHT_LAYOUTS))
 @pytest.mark.parametrize(("straight_runs", "max_pages"), [(0, 32), (2, 32), (3, 32), (3, 9), (3, 8), (3, 0)])
-def test_a_layered_h2d_over_few_runs_goes_straight_into_l1(
-    monkeypatch: pytest.MonkeyPatch, layout: str, straight_runs: int, max_pages: int
+@pytest.mark.parametrize("d2d_runs", [0, 1, 2, 3])
+def test_a_layered_h2d_goes_through_the_ring_by_row_dmas_or_straight_into_l1(
+    monkeypatch: pytest.MonkeyPatch, layout: str, straight_runs: int, max_pages: int, d2d_runs: int
 ) -> None:
-    """A layered H2D of at most ``straight_max_pages`` pages forming at most
-    ``straight_runs`` runs in both pools is copied straight into L1 (no ring, no scatter:
-    its address arithmetic run on CPU); more runs or pages go through the ring. Either way
-    each layer's event is recorded once that layer of every page (and no later group's
-    layer) has landed, and the pages end bit-exact, nothing else written."""
+    """A layered H2D into L1 pages forming at most ``d2d_runs`` runs goes through the ring
+    and out of its slots by row DMAs; else, if it is at most ``straight_max_pages`` pages
+    forming at most ``straight_runs`` runs in both pools, straight into L1 (no ring, no
+    scatter); else through the ring and the scatter kernel (address arithmetic run on CPU).
+    Every way each layer's event is recorded once that layer of every page (and no later
+    group's layer) has landed, and the pages end bit-exact, nothing else written."""
     monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
     l1, l2 = pools(24, layers=7, seed=5)
     eng = engine(
-        l1, l2, 4, 2, layer_group=1, max_layer_group=4, straight_runs=straight_runs, straight_max_pages=max_pages
+        l1,
+        l2,
+        4,
+        2,
+        layer_group=1,
+        max_layer_group=4,
+        straight_runs=straight_runs,
+        straight_max_pages=max_pages,
+        d2d_runs=d2d_runs,
+        d2d_min_bytes=0,
     )
     l2_pages, dst, runs = STRAIGHT_LAYOUTS[layout]
+    rows = bool(d2d_runs) and len(page_runs(dst)) <= d2d_runs
     status = layered_h2d_exactly(eng, l1, l2, l2_pages, dst)
     assert status["paths"]["layered"] == 1 and status["straight_runs"] == straight_runs
-    assert status["straight_max_pages"] == max_pages
-    assert status["straight"] == (1 if runs <= straight_runs and len(dst) <= max_pages else 0)
+    assert (status["straight_max_pages"], status["d2d_runs"]) == (max_pages, d2d_runs)
+    assert status["d2d"] == int(rows)
+    assert status["straight"] == (1 if not rows and runs <= straight_runs and len(dst) <= max_pages else 0)
+    assert status["workspaces"] == int(not status["straight"])
 
 
-@pytest.mark.parametrize("name", ["straight_runs", "straight_max_pages"])
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_row_dmas_fill_each_l1_run_from_units_that_straddle_it(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """Slots smaller than a group's pages (units of 2 pages against runs of 3 and 5) and
+    groups of several layers: each unit's rows land in the right run, layer and K/V row,
+    and only there."""
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+    l1, l2 = pools(24, layers=7, seed=count)
+    eng = engine(l1, l2, 1, 3, layer_group=count, max_layer_group=4, d2d_runs=2, d2d_min_bytes=0)
+    status = layered_h2d_exactly(eng, l1, l2, [9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 2, 3, 4, 5, 6])
+    assert (status["d2d"], status["straight"]) == (1, 0)
+
+
+@pytest.mark.parametrize("pages", [4, 5, 6])
+def test_row_dmas_only_from_d2d_min_bytes(monkeypatch: pytest.MonkeyPatch, pages: int) -> None:
+    """Below ``d2d_min_bytes`` a layered H2D that can go straight does; from it on, by row
+    DMAs out of the ring. Bit-exact either way."""
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+    l1, l2 = pools(24, layers=3)
+    eng = engine(l1, l2, 4, 2, d2d_runs=2, d2d_min_bytes=5 * l1.geometry.bytes_per_page)
+    status = layered_h2d_exactly(eng, l1, l2, list(range(4, 4 + pages)), list(range(12, 12 + pages)))
+    assert (status["d2d"], status["straight"]) == ((0, 1) if pages < 5 else (1, 0))
+
+
+def test_a_layered_h2d_goes_straight_when_the_ring_cannot_be_had_and_stops_asking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Row DMAs need the ring; where it cannot be allocated a layered H2D that can go
+    straight does (bit-exact), the failure is counted once and later ones do not ask again."""
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+    l1, l2 = pools(24, layers=3)
+    eng = engine(l1, l2, 4, 2, d2d_runs=2, d2d_min_bytes=0)
+    calls: list[str] = []
+    real = eng._setup
+
+    def setup(path: Any) -> None:
+        calls.append(path)
+        real(path)
+
+    monkeypatch.setattr(eng, "_setup", setup)
+    no_room_for_the_ring(monkeypatch, l1)
+    for _ in range(2):
+        status = layered_h2d_exactly(eng, l1, l2, [4, 5, 6], [10, 11, 12])
+    assert (status["straight"], status["d2d"], status["workspaces"]) == (2, 0, 0)
+    assert status["allocation_failures"] == 1 and calls == ["layered"]
+
+
+@pytest.mark.parametrize("name", ["straight_runs", "straight_max_pages", "d2d_runs", "d2d_min_bytes"])
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "2", None])
 def test_straight_limits_must_be_non_negative_ints(name: str, bad: object) -> None:
     """At construction and when set later (the benchmarks set them on a built engine);
@@ -331,10 +391,10 @@ def test_straight_limits_must_be_non_negative_ints(name: str, bad: object) -> No
     l1, l2 = pools()
     with pytest.raises(ConfigError, match=name):
         TransferEngine(l1, l2, "torch", **{name: bad})  # type: ignore[arg-type]
-    eng = TransferEngine(l1, l2, "torch", straight_runs=1, straight_max_pages=5)
+    eng = TransferEngine(l1, l2, "torch", straight_runs=1, straight_max_pages=5, d2d_runs=3, d2d_min_bytes=7)
     with pytest.raises(ConfigError, match=name):
         setattr(eng, name, bad)
-    assert (eng.straight_runs, eng.straight_max_pages) == (1, 5)
+    assert (eng.straight_runs, eng.straight_max_pages, eng.d2d_runs, eng.d2d_min_bytes) == (1, 5, 3, 7)
 
 
 def test_a_straight_h2d_needs_no_ring(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -360,7 +420,7 @@ def test_a_straight_h2d_takes_its_injected_read_fault() -> None:
     faults = FaultInjector()
     faults.add("fail", op="read")
     l1, l2 = pools(24, layers=3)
-    eng = engine(l1, l2, 4, 2, faults=faults)
+    eng = engine(l1, l2, 4, 2, faults=faults, d2d_runs=0)
     eng.__class__ = type("Layered", (TransferEngine,), {"layered": property(lambda self: True)})
     events = [FakeEvent(frozenset) for _ in range(3)]
     first = eng.h2d([4, 5, 6], [10, 11, 12], layer_events=events)
@@ -458,14 +518,15 @@ def _straight_cases(cap: int, pages: int) -> dict[str, tuple[list[int], list[int
 def test_the_default_straight_cap_lands_every_page_and_signals_every_layer(
     monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
-    """A default engine copies up to ``STRAIGHT_MAX_PAGES`` pages (256, as the docs say) in
-    at most 2 runs straight into L1, one page more or one run more through the ring; either
+    """Without row DMAs (``d2d_runs=0``; with them the straight path is the fallback) an
+    engine copies up to ``STRAIGHT_MAX_PAGES`` pages (256, as the docs say) in at most 2
+    runs straight into L1, one page more or one run more through the ring; either
     way every page lands bit-exact, nothing else in L1 or L2 changes, and each layer's event
     is recorded once its group of layers (and no later one) has landed."""
     assert STRAIGHT_MAX_PAGES == 256, "docs/DESIGN.md and docs/RESULTS.md give the cap as 256"
     monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
     pages = 600
     l1, l2 = pools(pages, layers=5, seed=9)
-    eng = engine(l1, l2, 16, 2, layer_group=1, max_layer_group=4)
+    eng = engine(l1, l2, 16, 2, layer_group=1, max_layer_group=4, d2d_runs=0)
     src, dst, straight = _straight_cases(STRAIGHT_MAX_PAGES, pages)[case]
     assert layered_h2d_exactly(eng, l1, l2, src, dst)["straight"] == int(straight)

@@ -46,6 +46,15 @@ PATHS = {  # engine keyword arguments per path; "multi": 4 chunks of 2 pages for
         "chunks": 2,
         "split_layered": True,
         "straight_runs": 0,  # the ring, whatever the page runs
+        "d2d_runs": 0,  # and the scatter kernel out of its slots
+    },
+    "rows": {  # the split's streams, slots into L1 by row DMAs on the copy engine
+        "copy_max_pages": 0,
+        "direct_max_bytes": 0,
+        "chunk_bytes": 2 * G.bytes_per_page,
+        "chunks": 2,
+        "straight_runs": 0,
+        "d2d_min_bytes": 0,
     },
 }
 
@@ -75,12 +84,17 @@ def judge(fresh: bool, wait: str | None) -> None:
 def slow(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
     """Queue a long kernel on the current stream before each of the engine's DMAs
     (``what="dma"``) or gathers/scatters (``"kernel"``), or a layered H2D's DMAs
-    (``"layer_dma"``) or scatters (``"layer_kernel"``), so that side runs late."""
-    name = {"dma": "_dma_runs", "kernel": "_run", "layer_dma": "_layer_dmas", "layer_kernel": "_scatter_layers"}[what]
+    (``"layer_dma"``) or the moves out of its slots (``"layer_kernel"``: scatters or row
+    DMAs), so that side runs late."""
+    name = {"dma": "_dma_runs", "kernel": "_run", "layer_dma": "_layer_dmas", "layer_kernel": "_unpack"}[what]
     real = getattr(engine, name)
 
     def late(*args: Any) -> None:
-        torch.cuda._sleep(SLEEP_CYCLES // 4)  # type: ignore[no-untyped-call]
+        # NOTE: _unpack is handed the stream it queues on (row DMAs name it, they do not
+        # switch the current stream): the sleep goes there
+        stream = args[-1] if what == "layer_kernel" and args[-1] is not None else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES // 4)  # type: ignore[no-untyped-call]
         real(*args)
 
     monkeypatch.setattr(engine, name, late)
@@ -139,7 +153,7 @@ def test_d2h_reads_the_pages_the_caller_just_wrote(
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("path", ["copy", "direct", "ring", "multi", "layered", "straight"])
+@pytest.mark.parametrize("path", ["copy", "direct", "ring", "multi", "layered", "scatter", "straight"])
 @pytest.mark.parametrize("wait", variants("wait_caller"))
 def test_h2d_does_not_overwrite_pages_the_caller_still_reads(
     monkeypatch: pytest.MonkeyPatch, backend: TransferBackend, path: str, wait: str | None
@@ -148,12 +162,15 @@ def test_h2d_does_not_overwrite_pages_the_caller_still_reads(
     them by H2D: the read must see the old bytes (and the pages end as the new ones)."""
     if backend == "torch" and path == "direct":
         pytest.skip("the direct path is Triton's")
-    layered = path in ("layered", "straight")
+    layered = path in ("layered", "scatter", "straight")
     if layered and not dma.AVAILABLE:
         pytest.skip("the layered H2D needs cuda-python")
     s = Scene(backend, "ring" if layered else path)
-    if path == "layered":
+    if path != "straight":
         s.engine.straight_runs = 0  # through the ring (the pages here are one run)
+    if path != "layered":
+        s.engine.d2d_runs = 0  # out of the slots by the scatter kernel (or straight)
+    s.engine.d2d_min_bytes = 0
     events = [torch.cuda.Event() for _ in range(G.num_layers)] if layered else None  # type: ignore[no-untyped-call]
     if events is not None:  # warm the layered path too
         with torch.cuda.stream(s.caller):
@@ -170,6 +187,7 @@ def test_h2d_does_not_overwrite_pages_the_caller_still_reads(
     torch.cuda.synchronize()
     assert ticket.wait() and (not layered or s.engine.status()["paths"]["layered"] == 2)
     assert s.engine.status()["straight"] == (2 if path == "straight" else 0)
+    assert s.engine.status()["d2d"] == (2 if path == "layered" else 0)
     assert torch.equal(s.l1.buffer[:, :, s.span].cpu(), s.l2.buffer[:, :, 20 : 20 + s.pages])
     judge(torch.equal(s.snapshot, old), wait)
 
@@ -293,12 +311,14 @@ LAYERED_SCENES = [  # (scene, L2 layout, the waits it shows needed)
         for w in p.values
     ],
 )
+@pytest.mark.parametrize("path", ["split", "rows"])
 def test_a_split_layered_h2d_lands_every_layer_through_both_streams(
-    monkeypatch: pytest.MonkeyPatch, scene: str, layout: str, wait: str | None
+    monkeypatch: pytest.MonkeyPatch, scene: str, layout: str, wait: str | None, path: str
 ) -> None:
-    """A layered H2D with ``split_layered`` runs its DMAs on the transfer stream and its
-    scatters (from fragmented L2 pages: zero-copy loads) and layer events on the kernel
-    stream. 8 pages through 2 ring slots of 2 pages: the 2-layer group takes two units, so
+    """A layered H2D with ``split_layered`` (or out of its slots by row DMAs: ``rows``)
+    runs its DMAs on the transfer stream and its scatters or row DMAs (from fragmented L2
+    pages: zero-copy loads) and layer events on the kernel stream.
+    8 pages through 2 ring slots of 2 pages: the 2-layer group takes two units, so
     the third unit refills slot 0. Each scene holds one side back, with every wait in place
     and with each wait it relies on removed:
 
@@ -312,7 +332,7 @@ def test_a_split_layered_h2d_lands_every_layer_through_both_streams(
       layer l's event reads layer l of every page landed (record_layer)."""
     if not dma.AVAILABLE:
         pytest.skip("the layered H2D needs cuda-python")
-    s = Scene("triton", "split")
+    s = Scene("triton", path)
     layers = G.num_layers
     events = [torch.cuda.Event() for _ in range(layers)]  # type: ignore[no-untyped-call]
     src = list(range(20, 20 + s.pages)) if layout == "consecutive" else list(range(20, 20 + 2 * s.pages, 2))
@@ -343,6 +363,7 @@ def test_a_split_layered_h2d_lands_every_layer_through_both_streams(
     got = s.l1.buffer[:, :, s.span].cpu()  # at once: only the ticket's event orders this read
     torch.cuda.synchronize()
     assert s.engine.status()["paths"]["layered"] == 3
+    assert s.engine.status()["d2d"] == (0 if path == "split" else 1 + (layout == "consecutive"))
     want = s.l2.buffer[:, :, src]
     if wait == "record_layer":
         judge(torch.equal(seen.cpu(), want), wait)
