@@ -18,8 +18,8 @@ RESULTS = ROOT / "bench" / "results"
 TRANSFER = "transfer-2026-12-02-h200.json"
 LATENCY = "bench_hicache-qwen3-8b-2026-12-02-h200-quick.json"
 LONG = "bench_hicache-qwen3-8b-2026-12-02-h200-long.json"
-RING = "bench_hicache-qwen3-8b-2026-12-02-h200-quick-ring.json"
-SPLIT = "bench_hicache-qwen3-8b-2026-12-02-h200-quick-split.json"
+ROWS = "bench_hicache-qwen3-8b-2026-12-02-h200-quick-rows.json"
+STRAIGHT = "bench_hicache-qwen3-8b-2026-12-02-h200-quick-straight.json"
 OVERLAP = "bench_hicache_stress-qwen3-8b-2026-12-02-h200-overlap.json"
 OVERLAP_4B = "bench_hicache_stress-qwen3-4b-2026-12-02-h200-overlap.json"
 SHARE = "share-qwen3-8b-2026-12-01-h200.json"
@@ -79,9 +79,9 @@ def restore(tier: str, prefix: int, target: float | None) -> Figure:
 
 def layered_paths() -> Figure:
     """The 3,500-token L2 restore by layered H2D path, each against its recompute in its own
-    run: straight into L1 (the default), through the ring, through the ring with the scatters
-    on a second stream (``split_layered``)."""
-    rows = [latency_row("l2", 3500, name) for name in (LATENCY, RING, SPLIT)]
+    run, the runs one after the other: through the ring and out of it by row DMAs (the
+    default at that size), straight into L1 (``--d2d-runs 0``)."""
+    rows = [latency_row("l2", 3500, name) for name in (ROWS, STRAIGHT)]
     printed = [" / ".join(f"{r['ttft_ms']:.2f}" for r in rows), " / ".join(f"{r['speedup']:.2f}×" for r in rows)]
     printed.append(" / ".join(f"{r['floor_ratio']:.2f}×" for r in rows))
     return Figure(printed, None)
@@ -167,7 +167,7 @@ CHECKS: dict[str, tuple[Callable[[], Figure], tuple[str, ...]]] = {
     "Gather/scatter, 1,024 pages": (lambda: kernels(1024), (TRANSFER,)),
     "L2 restore, 3,500 tokens": (lambda: restore("l2", 3500, 10.0), (LATENCY,)),
     "L2 restore, 350 tokens": (lambda: restore("l2", 350, 3.0), (LATENCY,)),
-    "L2 restore, 3,500 tokens, by layered path": (layered_paths, (LATENCY, RING, SPLIT)),
+    "L2 restore, 3,500 tokens, by layered path": (layered_paths, (ROWS, STRAIGHT)),
     "Bookkeeping, 3,500 tokens": (lambda: bookkeeping(3500, 1.0), (LATENCY,)),
     "Bookkeeping, 350 tokens": (lambda: bookkeeping(350, 1.5), (LATENCY,)),
     "L2 restore against its floor, 3,500 / 350 tokens": (floor, (LATENCY,)),
