@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         # the default schedule straight into one run of L1 pages (after the check: it
         # overwrites some of the pages checked)
         if (first, most) == (1, 8) and not split:
-            straight = TransferEngine(l1, l2, "auto", layer_group=first, max_layer_group=most, straight_max_pages=n)
+            straight = TransferEngine(
+                l1, l2, "auto", layer_group=first, max_layer_group=most, straight_max_pages=n, d2d_runs=0
+            )
             one_run = list(range(n + 4, 2 * n + 4))
 
             def straight_h2d(e: TransferEngine = straight, d: list[int] = one_run) -> None:
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  {label}: H2D service {statistics.median(row_spans) * 1e3:7.3f} ms beside, "
             f"{plain / statistics.median(row_spans):.3f} of plain ({plain / alone_t:.3f} alone)"
         )
-    straight = TransferEngine(l1, l2, "auto", straight_max_pages=n)
+    straight = TransferEngine(l1, l2, "auto", straight_max_pages=n, d2d_runs=0)
     spans_straight: list[float] = []
 
     def straight_beside(out_: list[float] = spans_straight) -> None:

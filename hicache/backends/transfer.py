@@ -299,7 +299,8 @@ class TransferEngine:
     backend still moves: ``wait`` for it, or ``raise`` :class:`PagesInFlightError`;
     ``split_layered`` runs a layered H2D's scatters on the kernel stream, so its DMAs never
     wait for a scatter; a layered H2D of at least ``d2d_min_bytes`` into L1 pages forming at
-    most ``d2d_runs`` runs (0: never) goes through the ring and out of it by row DMAs;
+    most ``d2d_runs`` runs (0: never), from L2 pages it does not load in place (fragmented,
+    Triton usable), goes through the ring and out of it by row DMAs;
     otherwise one of at most ``straight_max_pages`` pages forming at most ``straight_runs``
     runs (consecutive in L1 and in L2 alike) is copied straight into L1, without the ring
     (either 0: never), as is one that could go either way when the ring cannot be
@@ -397,7 +398,7 @@ class TransferEngine:
         self._ring: _Ring | None = None
         self._ids: _Ids | None = None
         self._timers: list[tuple[Any, Any]] = []  # idle (start, end) timing events
-        self._warm: set[tuple[Direction, Path]] = set()  # paths past their first (cold) transfer
+        self._warm: set[tuple[Direction, str]] = set()  # paths (and layered ways) past their first transfer
         self.paths: dict[str, int] = {"copy": 0, "direct": 0, "ring": 0, "layered": 0}
         self.allocation_failures = 0
 
@@ -652,7 +653,10 @@ class TransferEngine:
         path, runs = self._plan(n, l2_pages, events is not None and self.layered)
         layered = path == "layered" and events is not None
         straight = self._straight_plan(l1_pages, l2_pages) if layered else None
-        l1_runs = self._d2d_plan(l1_pages) if layered else None
+        # NOTE: fragmented L2 pages go by zero-copy loads, not through the slots: row DMAs
+        # would not apply (and the straight path, where it can, keeps the SMs free)
+        l1_runs = self._d2d_plan(l1_pages) if layered and not self._zero_copy(path, runs) else None
+        counts = (self.straight, self.d2d)
         try:
             if straight is not None and (l1_runs is None or not self._ring_for(path)):
                 # NOTE: no ring, no page ids, no kernel: nothing to set up
@@ -669,12 +673,14 @@ class TransferEngine:
             return ticket
         self.paths[path] += 1
         ticket.timings.enqueue_s = time.perf_counter() - t0
-        if (direction, path) not in self._warm:
+        # the layered H2D's three ways warm up apart: straight needs nothing, the others the ring
+        way = "straight" if self.straight > counts[0] else "d2d" if self.d2d > counts[1] else path
+        if (direction, way) not in self._warm:
             # NOTE: a path's first enqueue is one-time setup (memory, autotune, kernel
             # compile and module load on first launch): counted as recurring, a ~1 s first
             # H2D made the cost model rule out restores from L2 for dozens of requests.
             ticket.timings.setup_s = ticket.timings.enqueue_s
-            self._warm.add((direction, path))
+            self._warm.add((direction, way))
         if not self.cuda:
             ticket.poll()
             return ticket
@@ -727,7 +733,7 @@ class TransferEngine:
             return self._issue_copy(ticket, d2h, l1_pages, l2_pages, events)
         assert self._ids is not None
         n = len(l1_pages)
-        zero_copy = path == "direct" or (path == "layered" and len(runs) > 1 and self.direct_usable)
+        zero_copy = path == "direct" or self._zero_copy(path, runs)
         # NOTE: row DMAs out of the ring read no page ids: none are written or uploaded
         rows_only = path == "layered" and l1_runs is not None and not zero_copy
         at, count = (0, 0) if rows_only else self._ids.put(l1_pages, l2_pages) if zero_copy else self._ids.put(l1_pages)
@@ -813,6 +819,10 @@ class TransferEngine:
         ticket.bind(self._checker(ticket, timer, fault.kind if fault else None, fault.delay_s if fault else 0.0))
         return "copy"
 
+    def _zero_copy(self, path: Path, runs: list[tuple[int, int]]) -> bool:
+        """Whether a layered H2D loads its L2 pages in place (fragmented L2, Triton usable)."""
+        return path == "layered" and len(runs) > 1 and self.direct_usable
+
     def _d2d_plan(self, l1_pages: Sequence[int]) -> list[tuple[int, int]] | None:
         """The runs of consecutive L1 pages, if there are at most ``d2d_runs`` of them and
         the pages hold at least ``d2d_min_bytes``: a layered H2D through the ring then fills
@@ -826,10 +836,10 @@ class TransferEngine:
         """Whether the ring is (now) set up for ``path``. A layered H2D that could also go
         straight asks with this: where the ring cannot be allocated it goes straight, and so
         do later ones without asking again (a failed allocation can cost a device sync)."""
-        if self._ring is not None and self._ids is not None:
-            return True
         if self._straight_only:
             return False
+        if self._ring is not None and self._ids is not None:
+            return True
         try:
             self._setup(path)
             return True

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hicache.backends import kernels
 from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.transfer import STRAIGHT_MAX_PAGES, TransferBackend, TransferEngine, page_runs
 from hicache.core.geometry import KVGeometry
@@ -358,6 +359,62 @@ def test_row_dmas_only_from_d2d_min_bytes(monkeypatch: pytest.MonkeyPatch, pages
     eng = engine(l1, l2, 4, 2, d2d_runs=2, d2d_min_bytes=5 * l1.geometry.bytes_per_page)
     status = layered_h2d_exactly(eng, l1, l2, list(range(4, 4 + pages)), list(range(12, 12 + pages)))
     assert (status["d2d"], status["straight"]) == ((0, 1) if pages < 5 else (1, 0))
+
+
+@pytest.mark.parametrize(
+    "backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRET, reason="interpreter"))]
+)
+def test_fragmented_l2_pages_go_straight_rather_than_by_loads_when_they_can(
+    monkeypatch: pytest.MonkeyPatch, backend: TransferBackend
+) -> None:
+    """L1 one run, L2 two: where Triton can load L2 pages in place (zero-copy, on the SMs)
+    the slots are not used, so no row DMAs: the restore goes straight, as it can. Without
+    Triton the slots are filled by a DMA per L2 run and emptied by row DMAs."""
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+    loads: list[object] = []
+    real = kernels.load_layers_triton
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        loads.append(args)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "load_layers_triton", spy)
+    l1, l2 = pools(24, layers=3)
+    eng = engine(l1, l2, 4, 2, backend=backend, d2d_runs=2, d2d_min_bytes=0)
+    status = layered_h2d_exactly(eng, l1, l2, [2, 3, 4, 10, 11, 12], list(range(14, 20)))
+    rows = backend == "torch"
+    assert (status["straight"], status["d2d"], bool(loads)) == (int(not rows), int(rows), False)
+
+
+def test_a_failed_setup_that_kept_the_ring_still_sends_layered_h2ds_straight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ring allocated, then the kernel choice out of memory: the restore goes straight,
+    and so do the next ones (the ring is there, but its setup failed)."""
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+    l1, l2 = pools(24, layers=3)
+    eng = engine(l1, l2, 4, 2, d2d_runs=2, d2d_min_bytes=0)
+
+    def choose() -> None:
+        raise torch.OutOfMemoryError("no room for the autotune")
+
+    monkeypatch.setattr(eng, "_choose", choose)
+    for _ in range(3):
+        status = layered_h2d_exactly(eng, l1, l2, [4, 5, 6], [10, 11, 12])
+    assert (status["straight"], status["d2d"], status["allocation_failures"]) == (3, 0, 1)
+
+
+def test_each_layered_way_counts_its_first_enqueue_as_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Straight needs no setup, row DMAs (and the scatter) the ring: a straight restore
+    first does not make the first one by row DMAs, which allocates the ring, look recurring."""
+    monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))
+    l1, l2 = pools(24, layers=3)
+    eng = engine(l1, l2, 4, 2, d2d_runs=2, d2d_min_bytes=4 * l1.geometry.bytes_per_page)
+    events = [FakeEvent(frozenset) for _ in range(3)]
+    setup = []
+    for src, dst in (([4, 5, 6], [10, 11, 12]), ([4, 5, 6, 7], [10, 11, 12, 13]), ([4, 5, 6, 7], [10, 11, 12, 13])):
+        ticket = eng.h2d(src, dst, layer_events=events)
+        assert ticket.wait()
+        setup.append(ticket.timings.setup_s == ticket.timings.enqueue_s > 0)
+    assert setup == [True, True, False] and (eng.straight, eng.d2d) == (1, 2)
 
 
 def test_a_layered_h2d_goes_straight_when_the_ring_cannot_be_had_and_stops_asking(
