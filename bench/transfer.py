@@ -92,6 +92,44 @@ def device_time(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
     return statistics.median(samples)
 
 
+def device_span(fn: Callable[[], Any], streams: list[Any], reps: int, side: Callable[[], Any] | None = None) -> float:
+    """Median device ms from the first to the last of ``fn``'s work on ``streams`` (the first
+    leads, the others wait for it and are joined back), each sample queued behind a short
+    sleep, after one discarded; ``side`` (a stand-in forward) queued first on a stream of
+    its own when given, so ``fn`` runs beside it. For the probes in bench/probes."""
+    main, other = streams[0], torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    out = []
+    for i in range(reps + 1):
+        with torch.cuda.stream(main):
+            torch.cuda._sleep(QUEUE_CYCLES)  # type: ignore[no-untyped-call]
+        if side is not None:
+            other.wait_stream(main)
+            with torch.cuda.stream(other):
+                side()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        a.record(main)
+        for s in streams[1:]:
+            s.wait_event(a)
+        fn()
+        for s in streams[1:]:
+            main.wait_stream(s)
+        b.record(main)
+        b.synchronize()
+        main.wait_stream(other)
+        torch.cuda.synchronize()
+        if i:
+            out.append(float(a.elapsed_time(b)))
+    return float(statistics.median(out))
+
+
+def random_pools(g: KVGeometry, pages: int) -> tuple[DevicePool, HostPool]:
+    """An L1 pool on CUDA and an L2 pool of ``pages`` pages each, L2 random bits (as int16:
+    random bf16 patterns include NaNs, which never compare equal as values)."""
+    l2 = HostPool(g, pages)
+    l2.slabs.view(torch.int16).random_(-(2**15), 2**15 - 1)
+    return DevicePool.allocate(g, pages, "cuda"), l2
+
+
 def gpu(fn: Callable[[], Any], reps: int) -> float:
     """Median device seconds of ``fn`` on CUDA (used by bench/probes/layer_load.py)."""
     return device_time(fn, reps, True)

@@ -34,42 +34,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the transfer bench's geometry
-from transfer import QWEN3_8B
+from transfer import QWEN3_8B, device_span, random_pools
 
 from hicache.backends import dma
 from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.transfer import TransferEngine, layer_groups
-
-_Event: Any = torch.cuda.Event
-
-
-def spans(fn: Callable[[], Any], streams: list[Any], reps: int, side: Callable[[], Any] | None) -> float:
-    """Median device ms from the first to the last of ``fn``'s work on ``streams`` (the first
-    one leads, the others wait for it and are joined back), ``side`` queued first on a
-    stream of its own when given."""
-    main, other = streams[0], torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    out = []
-    for i in range(reps + 1):
-        with torch.cuda.stream(main):
-            torch.cuda._sleep(1_000_000)  # type: ignore[no-untyped-call]
-        if side is not None:
-            other.wait_stream(main)
-            with torch.cuda.stream(other):
-                side()
-        a, b = _Event(enable_timing=True), _Event(enable_timing=True)
-        a.record(main)
-        for s in streams[1:]:
-            s.wait_event(a)
-        fn()
-        for s in streams[1:]:
-            main.wait_stream(s)
-        b.record(main)
-        b.synchronize()
-        main.wait_stream(other)
-        torch.cuda.synchronize()
-        if i:
-            out.append(a.elapsed_time(b))
-    return float(statistics.median(out))
 
 
 def profile(l1: DevicePool, l2: HostPool, n: int, top: int) -> None:
@@ -107,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     g, n, reps = QWEN3_8B, args.pages, args.reps
     layers = g.num_layers
-    l2 = HostPool(g, 2 * 256 + 8)
-    l2.slabs.view(torch.int16).random_(-(2**15), 2**15 - 1)
-    l1 = DevicePool.allocate(g, 2 * 256 + 8, "cuda")
+    l1, l2 = random_pools(g, 2 * 256 + 8)
     nbytes = n * g.bytes_per_page
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -125,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         profile(l1, l2, n, args.profile)
     if args.only_profile:
         return 0
-    plain = spans(lambda: dma.copy_raw(dev.data_ptr(), host.data_ptr(), nbytes, streams[0]), streams[:1], reps, None)
-    plain_beside = spans(
+    plain = device_span(lambda: dma.copy_raw(dev.data_ptr(), host.data_ptr(), nbytes, streams[0]), streams[:1], reps)
+    plain_beside = device_span(
         lambda: dma.copy_raw(dev.data_ptr(), host.data_ptr(), nbytes, streams[0]), streams[:1], reps, compute
     )
     print(
@@ -148,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n1. strided row DMAs (rows = pages), ratio to the plain copy alone")
     for c, k in ((1, 1), (1, 2), (2, 1), (4, 1), (6, 1), (12, 1)):
-        alone = spans(rows(c, k), streams[:k], reps, None)
-        beside = spans(rows(c, k), streams[:k], reps, compute)
+        alone = device_span(rows(c, k), streams[:k], reps, None)
+        beside = device_span(rows(c, k), streams[:k], reps, compute)
         print(
             f"  rows of {c} layer(s) ({c * slab // 1024:>4} KiB), {k} stream(s): alone {plain / alone:.3f}, "
             f"beside {plain / beside:.3f}"
@@ -190,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     for first, most, two in ((2, 8, True), (2, 8, False), (4, 8, True), (1, 8, True)):
         k = 2 if two else 1
         for copies in (False, True):
-            alone = spans(staged(first, most, two, copies), streams[:k], reps, None)
-            beside = spans(staged(first, most, two, copies), streams[:k], reps, compute)
+            alone = device_span(staged(first, most, two, copies), streams[:k], reps, None)
+            beside = device_span(staged(first, most, two, copies), streams[:k], reps, compute)
             print(
                 f"  groups {first}->{most}, {'D2D on stream 1' if two else 'one stream    '}"
                 f"{'' if copies else ' (H2D only)'}: alone {plain / alone:.3f}, beside {plain / beside:.3f}"
@@ -227,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         d = torch.empty(k, dtype=torch.uint8, device="cuda")
         h = torch.empty(k, dtype=torch.uint8, pin_memory=True)
         p = {
-            "d2h": spans(lambda: dma.copy_raw(h.data_ptr(), d.data_ptr(), k, streams[0]), streams[:1], reps, None),
-            "h2d": spans(lambda: dma.copy_raw(d.data_ptr(), h.data_ptr(), k, streams[0]), streams[:1], reps, None),
+            "d2h": device_span(lambda: dma.copy_raw(h.data_ptr(), d.data_ptr(), k, streams[0]), streams[:1], reps),
+            "h2d": device_span(lambda: dma.copy_raw(d.data_ptr(), h.data_ptr(), k, streams[0]), streams[:1], reps),
         }
         l1p, l2p = list(range(1, 2 * m, 2)), list(range(0, 2 * m, 2))
         for direction in ("d2h", "h2d"):

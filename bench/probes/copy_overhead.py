@@ -29,36 +29,18 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the transfer bench's helpers
-from transfer import QWEN3_8B, wall
+from transfer import QWEN3_8B, device_span, wall
 
 from hicache.backends import dma
 from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.transfer import TransferEngine
 
-_Event: Any = torch.cuda.Event
 G = QWEN3_8B
 
 
 def device_ms(fn: Callable[[], Any], reps: int, streams: list[Any]) -> float:
-    """Median device ms of ``fn``'s work on ``streams`` (queued behind a sleep, joined back)."""
-    fn()
-    torch.cuda.synchronize()
-    main = streams[0]
-    times = []
-    for _ in range(reps):
-        a, b = _Event(enable_timing=True), _Event(enable_timing=True)
-        with torch.cuda.stream(main):
-            torch.cuda._sleep(2_000_000)  # type: ignore[no-untyped-call]
-            a.record(main)
-        for s in streams[1:]:
-            s.wait_event(a)
-        fn()
-        for s in streams[1:]:
-            main.wait_stream(s)
-        b.record(main)
-        b.synchronize()
-        times.append(float(a.elapsed_time(b)))
-    return statistics.median(times)
+    """Median device ms of ``fn``'s work on ``streams`` (:func:`transfer.device_span`)."""
+    return device_span(fn, streams, reps)
 
 
 def wall_ms(fn: Callable[[], Any], reps: int) -> float:

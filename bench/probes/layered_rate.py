@@ -34,10 +34,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the transfer bench's geometry
-from transfer import QWEN3_8B
+from transfer import QWEN3_8B, random_pools
 
 from hicache.backends import dma
-from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.transfer import TransferEngine
 
 
@@ -65,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     g, n, reps = QWEN3_8B, args.pages, args.reps
     layers = g.num_layers
-    l2 = HostPool(g, 2 * n + 8)
-    l2.slabs.view(torch.int16).random_(-(2**15), 2**15 - 1)
-    l1 = DevicePool.allocate(g, 2 * n + 8, "cuda")
+    l1, l2 = random_pools(g, 2 * n + 8)
     nbytes = n * g.bytes_per_page
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
