@@ -122,6 +122,16 @@ def device_span(fn: Callable[[], Any], streams: list[Any], reps: int, side: Call
     return float(statistics.median(out))
 
 
+def probe_parser(doc: str | None, reps: int) -> argparse.ArgumentParser:
+    """The layered probes' common flags: ``--pages`` (219 = 3,500 tokens), ``--reps`` and
+    ``--profile`` (how many functions to print by own host time)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pages", type=int, default=219, help="219 pages = 3,500 tokens")
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--profile", type=int, default=0, help="print this many functions by own host time")
+    return ap
+
+
 def random_pools(g: KVGeometry, pages: int) -> tuple[DevicePool, HostPool]:
     """An L1 pool on CUDA and an L2 pool of ``pages`` pages each, L2 random bits (as int16:
     random bf16 patterns include NaNs, which never compare equal as values)."""

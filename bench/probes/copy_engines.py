@@ -21,7 +21,6 @@ measured in the same run:
 # ruff: noqa: B023  (every closure below is called before its loop moves on)
 from __future__ import annotations
 
-import argparse
 import cProfile
 import pstats
 import statistics
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the transfer bench's geometry
-from transfer import QWEN3_8B, device_span, random_pools
+from transfer import QWEN3_8B, device_span, probe_parser, random_pools
 
 from hicache.backends import dma
 from hicache.backends.pools import DevicePool, HostPool
@@ -65,10 +64,7 @@ def profile(l1: DevicePool, l2: HostPool, n: int, top: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pages", type=int, default=219, help="219 pages = 3,500 tokens")
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--profile", type=int, default=0, help="print this many functions by own host time")
+    ap = probe_parser(__doc__, reps=15)
     ap.add_argument("--only-profile", action="store_true", help="section 4 alone")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or not dma.AVAILABLE:

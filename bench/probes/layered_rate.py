@@ -19,7 +19,6 @@ measured in the same run (median wall time of ``--reps``, synchronized):
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import functools
 import itertools
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the transfer bench's geometry
-from transfer import QWEN3_8B, random_pools
+from transfer import QWEN3_8B, probe_parser, random_pools
 
 from hicache.backends import dma
 from hicache.backends.transfer import TransferEngine
@@ -54,10 +53,7 @@ def wall(fn: Callable[[], Any], reps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pages", type=int, default=219, help="219 pages = 3,500 tokens")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--profile", type=int, default=0, help="print this many functions by own host time")
+    ap = probe_parser(__doc__, reps=20)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or not dma.AVAILABLE:
         print("needs CUDA and cuda-python", file=sys.stderr)
