@@ -37,6 +37,8 @@ from plots import plot_latency
 from tqdm import tqdm
 
 import hicache.backends.transfer as transfer_engine
+import hicache.engine.engine as engine_module
+import hicache.engine.model as model_runner
 from hicache.engine import build_model
 from hicache.engine.cli import (
     ArgParser,
@@ -283,6 +285,20 @@ def main(argv: list[str] | None = None) -> None:
         help="the first and last layer group's size of a layered restore (default: TransferEngine's)",
     )
     b.add_argument(
+        "--layer-waits",
+        choices=("values", "events"),
+        default=None,
+        help="a layered restore's forward waits on layer signals (values: launched while the copies are "
+        "queued) or CUDA events (launched after them); default: the engine's (model.LAYER_SIGNALS)",
+    )
+    b.add_argument(
+        "--forward-after",
+        type=at_least(1),
+        default=None,
+        help="layer groups of a restore's copy queued before its forward is launched, with value waits "
+        "(default: the engine's FORWARD_AFTER_GROUPS)",
+    )
+    b.add_argument(
         "--straight-max-pages",
         type=at_least(0),
         default=None,
@@ -298,6 +314,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--prefix-tokens {short[0]}: less than one page (--page-size {args.page_size}): nothing to restore")
     if args.layer_group is not None:  # read as each row's engine builds its transfer engine
         transfer_engine.LAYER_GROUP = args.layer_group
+    if args.layer_waits is not None:  # read as each row's engine builds its model runner
+        model_runner.LAYER_SIGNALS = args.layer_waits == "values"
+    if args.forward_after is not None:  # read at each signalled restore
+        engine_module.FORWARD_AFTER_GROUPS = args.forward_after
     dtype = dtype_of(args)
     try:
         net = build_model(args.model, device=args.device, dtype=dtype)

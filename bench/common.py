@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import xxhash
 
+import hicache.engine.engine as engine_module
 from hicache.engine import Engine, Output
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,6 +190,8 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
         "graph_short_prefills": runner.graph_short_prefills,
         "attention": runner.attention,
         "layered_restore": engine.layered,
+        "layer_signals": "values" if runner.signals is not None else "events",
+        "forward_after_groups": engine_module.FORWARD_AFTER_GROUPS,
         "prefetch": engine.prefetch,
         "transfer": {
             k: engine.cache.device.status()[k]

@@ -2,9 +2,11 @@
 
 Runs the stress bench's overlap variant (``--no-rotation``) with each step of
 ``Engine._admit`` for a restore timed (warm-up included: the longest call shows a one-time
-graph capture). Extra flags go to the stress bench. Needs CUDA.
+graph capture). Extra flags go to the stress bench; with ``--latency`` first, to the latency
+bench (``bench_hicache.py``) instead. Needs CUDA.
 
     python bench/probes/launch_profile.py --model qwen3-8b
+    python bench/probes/launch_profile.py --latency --model qwen3-8b --prefix-tokens 3500 --tiers l2
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the stress bench
+import bench_hicache
 import bench_hicache_stress
 
 from hicache.backends.transfer import TransferEngine
@@ -59,6 +62,7 @@ def timed(owner: Any, name: str, key: str, *, outer: bool = False, layered_only:
 def main(argv: list[str]) -> None:
     timed(Controller, "start_restore", "start", outer=True, layered_only=True)
     timed(Engine, "_launch_layered", "launch", outer=True)
+    timed(TransferEngine, "flush", "flush", outer=True)
     timed(TransferEngine, "h2d", "TransferEngine.h2d")
     timed(Controller, "allocate", "Controller.allocate")
     timed(ModelRunner, "forward", "ModelRunner.forward")
@@ -69,11 +73,14 @@ def main(argv: list[str]) -> None:
     timed(_Graph, "_capture", "_Graph._capture")  # how many first-use captures the launches held
     timed(torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay")
     timed(torch.Tensor, "clone", "Tensor.clone")
-    bench_hicache_stress.main(["--no-rotation", "--repeats", "1", "--decoders", "4", *argv])
+    if argv[:1] == ["--latency"]:
+        bench_hicache.main(argv[1:])
+    else:
+        bench_hicache_stress.main(["--no-rotation", "--repeats", "1", "--decoders", "4", *argv])
     launches = calls["launch"] or 1
     print(f"\nHost time per restore start ({calls['start']} starts, {calls['launch']} layered launches):")
     for key in sorted(seconds, key=lambda k: (k.split(":")[0], -seconds[k])):
-        per = calls["start"] if key.startswith("start") else launches
+        per = calls["start"] if key.startswith("start") else calls["flush"] if key.startswith("flush") else launches
         print(
             f"  {key:<40} {seconds[key] / per * 1e3:7.3f} ms  ({calls[key]} calls, "
             f"the longest {longest[key] * 1e3:.1f} ms)"

@@ -30,6 +30,14 @@ except ImportError:  # pragma: no cover - machines without cuda-python
     _rt = None
     AVAILABLE = False
 
+try:  # the driver's stream memory operations (value waits and writes)
+    from cuda.bindings import driver as _drv
+
+    _GEQ: Any = _drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+    _DRV_OK: Any = _drv.CUresult.CUDA_SUCCESS
+except ImportError:  # pragma: no cover - machines without cuda-python
+    _drv = None
+
 
 def _rows(t: torch.Tensor) -> tuple[int, int, int]:
     """(rows, bytes per row, pitch in bytes) of a 2-D view whose rows are contiguous."""
@@ -193,3 +201,28 @@ def new_stream(device: torch.device) -> Any:
     if err != _OK:
         raise RuntimeError(f"cudaStreamCreateWithFlags failed: {err!r}")
     return torch.cuda.ExternalStream(int(handle), device=device)  # type: ignore[no-untyped-call]
+
+
+def values_usable() -> bool:
+    """Whether :func:`wait_value` and :func:`write_value` can be called here (cuda-python's
+    driver bindings; whether the device runs them is for the caller to try)."""
+    return _drv is not None and torch.cuda.is_available()
+
+
+def write_value(stream: Any, addr: int, value: int) -> None:
+    """Queue on ``stream``: write the 32-bit ``value`` at device address ``addr`` once the
+    work queued before it has completed (``cuStreamWriteValue32``)."""
+    (err,) = _drv.cuStreamWriteValue32(stream.cuda_stream, addr, value, 0)
+    if err != _DRV_OK:
+        raise RuntimeError(f"cuStreamWriteValue32 failed: {err!r}")
+
+
+def wait_value(stream: Any, addr: int, value: int) -> None:
+    """Queue on ``stream``: wait until the 32-bit word at device address ``addr`` is at least
+    ``value`` (``cuStreamWaitValue32``). Unlike an event wait, which waits for the event's
+    record made before it was queued (or before its graph was launched), this waits for a
+    write made at any time, before or after: a forward can be launched before the copies it
+    waits for are queued. Captured in a CUDA graph it waits on every replay."""
+    (err,) = _drv.cuStreamWaitValue32(stream.cuda_stream, addr, value, _GEQ)
+    if err != _DRV_OK:
+        raise RuntimeError(f"cuStreamWaitValue32 failed: {err!r}")

@@ -180,9 +180,12 @@ class DeviceTicket(Ticket):
     event: Any = None  # torch.cuda.Event recorded after the last copy (None once finished)
     keep: list[Any] = field(default_factory=list)
     stream: Any = None  # the stream ``event`` is recorded on
+    flush: Callable[[], None] | None = None  # queues it, if its H2D was deferred (TransferEngine.deferring)
 
     def wait_on_current_stream(self) -> None:
         """Make the caller's current CUDA stream wait for this transfer (no CPU block)."""
+        if self.flush is not None:
+            self.flush()
         event = self.event
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
@@ -190,7 +193,10 @@ class DeviceTicket(Ticket):
     def settle(self) -> bool:
         """Block until the copy itself has ended, without running completion work (safe
         from any thread: an I/O worker may call it before reading pages this wrote).
-        Whether there was a copy on the device to wait for."""
+        Whether there was a copy on the device to wait for. (A deferred H2D is queued first:
+        from the thread that made it; I/O workers settle D2H tickets only.)"""
+        if self.flush is not None:
+            self.flush()
         event = self.event
         if event is None:
             return False
@@ -401,6 +407,11 @@ class TransferEngine:
         self._warm: set[tuple[Direction, str]] = set()  # paths (and layered ways) past their first transfer
         self.paths: dict[str, int] = {"copy": 0, "direct": 0, "ring": 0, "layered": 0}
         self.allocation_failures = 0
+        self._deferring = False
+        self._midway: tuple[int, Callable[[], None], Any] | None = None  # flush(midway=...), not yet called
+        self._midway_error: BaseException | None = None
+        self._midway_s = 0.0  # time spent in midway calls (not any transfer's enqueue)
+        self._pending: deque[tuple[DeviceTicket, Callable[[], None]]] = deque()  # deferred H2Ds (deferring())
 
     # -- backend choice ----------------------------------------------------------------------
 
@@ -647,6 +658,7 @@ class TransferEngine:
         if n == 0:
             ticket.finish_now(True)
             return ticket
+        self.flush()  # NOTE: a deferred H2D queues before any later transfer (stream, slots, ids)
         src_fences, dst_fences = (self.l1.fences, self.l2.fences) if d2h else (self.l2.fences, self.l1.fences)
         self._order(src_fences, src, write=False)  # NOTE: may raise; nothing has changed yet
         self._order(dst_fences, dst, write=True)
@@ -656,37 +668,145 @@ class TransferEngine:
         # NOTE: fragmented L2 pages go by zero-copy loads, not through the slots: row DMAs
         # would not apply (and the straight path, where it can, keeps the SMs free)
         l1_runs = self._d2d_plan(l1_pages) if layered and not self._zero_copy(path, runs) else None
-        counts = (self.straight, self.d2d)
-        try:
-            if straight is not None and (l1_runs is None or not self._ring_for(path)):
-                # NOTE: no ring, no page ids, no kernel: nothing to set up
-                assert events is not None
-                self._issue_straight(ticket, l1_pages, l2_pages, straight, events)
-            else:
-                if path != "copy":
-                    self._setup(path)
-                path = self._issue(ticket, path, d2h, l1_pages, l2_pages, runs, events, l1_runs)
-        except _AllocationFailed as exc:
-            self.allocation_failures += 1
-            log.warning("hicache %s of %d pages failed: %s", direction.name, n, exc)
-            ticket.fail_now(str(exc))
-            return ticket
-        self.paths[path] += 1
-        ticket.timings.enqueue_s = time.perf_counter() - t0
-        # the layered H2D's three ways warm up apart: straight needs nothing, the others the ring
-        way = "straight" if self.straight > counts[0] else "d2d" if self.d2d > counts[1] else path
-        if (direction, way) not in self._warm:
-            # NOTE: a path's first enqueue is one-time setup (memory, autotune, kernel
-            # compile and module load on first launch): counted as recurring, a ~1 s first
-            # H2D made the cost model rule out restores from L2 for dozens of requests.
-            ticket.timings.setup_s = ticket.timings.enqueue_s
-            self._warm.add((direction, way))
-        if not self.cuda:
-            ticket.poll()
-            return ticket
+        planned = time.perf_counter() - t0
+
+        def issue() -> None:
+            taken, t1, aside = path, time.perf_counter(), self._midway_s
+            counts = (self.straight, self.d2d)
+            try:
+                if straight is not None and (l1_runs is None or not self._ring_for(taken)):
+                    # NOTE: no ring, no page ids, no kernel: nothing to set up
+                    assert events is not None
+                    self._issue_straight(ticket, l1_pages, l2_pages, straight, events)
+                else:
+                    if taken != "copy":
+                        self._setup(taken)
+                    taken = self._issue(ticket, taken, d2h, l1_pages, l2_pages, runs, events, l1_runs)
+            except _AllocationFailed as exc:
+                self.allocation_failures += 1
+                log.warning("hicache %s of %d pages failed: %s", direction.name, n, exc)
+                ticket.fail_now(str(exc))
+                return
+            self.paths[taken] += 1
+            ticket.timings.enqueue_s = planned + time.perf_counter() - t1 - (self._midway_s - aside)
+            # the layered H2D's three ways warm up apart: straight needs nothing, the others the ring
+            way = "straight" if self.straight > counts[0] else "d2d" if self.d2d > counts[1] else taken
+            if (direction, way) not in self._warm:
+                # NOTE: a path's first enqueue is one-time setup (memory, autotune, kernel
+                # compile and module load on first launch): counted as recurring, a ~1 s first
+                # H2D made the cost model rule out restores from L2 for dozens of requests.
+                ticket.timings.setup_s = ticket.timings.enqueue_s
+                self._warm.add((direction, way))
+
+        if self._deferring and events is not None:
+            self._pending.append((ticket, issue))
+            ticket.bind(self._when_issued(ticket))
+            ticket.flush = self.flush
+        else:
+            issue()
+            if not self.cuda:
+                ticket.poll()
+                return ticket
+            if ticket.ok is not None:
+                return ticket
         src_fences.fence(src, ticket, write=False, owner=self)
         dst_fences.fence(dst, ticket, write=True, owner=self)
         return ticket
+
+    # -- deferred issue ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Inside the block, an H2D with layer events is checked, planned and fenced at once
+        but queued only by :meth:`flush` (or the first thing that needs it: a later
+        transfer, its ticket's ``poll``, ``wait``, ``settle``, ``wait_on_current_stream``).
+
+        For a forward whose per-layer waits are value waits (:func:`dma.wait_value`): it can
+        be launched between the two, and then runs from the moment the first layer group
+        lands instead of after the host has queued every copy of the restore."""
+        was, self._deferring = self._deferring, True
+        try:
+            yield
+        finally:
+            self._deferring = was
+
+    def flush(self, midway: Callable[[], None] | None = None, after: int = 1) -> None:
+        """Queue the deferred H2Ds, in the order they were made (:meth:`deferring`). One
+        whose queuing raises fails its ticket (after what it queued) instead of raising.
+
+        ``midway`` is called once, on the caller's current stream, as soon as the first
+        ``after`` layer groups of a layered H2D are queued (else once all is queued): a
+        forward launched there starts on the first groups' pages while the copy engine still
+        has work, and the rest is queued behind it. Its exception is raised after the flush
+        (the H2Ds are queued whole either way); its time is not the transfer's enqueue."""
+        self._midway = None if midway is None else (after, midway, torch.cuda.current_stream() if self.cuda else None)
+        self._midway_error = None
+        try:
+            while self._pending:
+                ticket, issue = self._pending.popleft()
+                try:
+                    issue()
+                except Exception as exc:
+                    log.warning("hicache H2D of %d pages could not be queued: %r", ticket.pages, exc)
+                    self._fail_queued(ticket, f"could not be queued: {exc!r}")
+                if not self.cuda and ticket.ok is None:
+                    ticket.poll()
+        finally:
+            self._midway_after(None)
+        error, self._midway_error = self._midway_error, None
+        if error is not None:
+            raise error
+
+    def _midway_after(self, groups: int | None) -> None:
+        """Call the flush's ``midway`` if ``groups`` layer groups are queued (None: at the end)."""
+        if self._midway is None or (groups is not None and groups < self._midway[0]):
+            return
+        _, fn, caller = self._midway
+        self._midway = None
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.stream(caller) if caller is not None else contextlib.nullcontext():
+                fn()
+        except BaseException as exc:  # raised by flush once its H2Ds are queued
+            self._midway_error = exc
+        finally:
+            self._midway_s += time.perf_counter() - t0
+
+    def _when_issued(self, ticket: DeviceTicket) -> Callable[[bool], bool | None]:
+        """A deferred ticket's check until it is queued: queue it, then ask its own check."""
+
+        def check(block: bool) -> bool | None:
+            self.flush()  # binds the ticket's own check, or finishes it
+            if ticket.ok is not None:
+                return ticket.ok  # finished while queuing (an allocation failure): the same result
+            if ticket._check is check:
+                raise RuntimeError("a deferred H2D was not queued")
+            return ticket._check(block) if ticket._check is not None else None
+
+        return check
+
+    def _fail_queued(self, ticket: DeviceTicket, error: str) -> None:
+        """Fail ``ticket`` once what it queued before raising has run (its pages are reused
+        only after that)."""
+        end = None
+        if self.cuda:
+            if self._kernel_stream is not None:
+                self.stream.wait_stream(self._kernel_stream)
+            end = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            end.record(self.stream)
+        ticket.event, ticket.stream = end, self.stream
+
+        def check(block: bool) -> bool | None:
+            if end is not None:
+                if block:
+                    end.synchronize()
+                elif not end.query():  # type: ignore[no-untyped-call]
+                    return None
+            ticket.error = error
+            ticket.event = None
+            return False
+
+        ticket.bind(check)
 
     def _plan(self, n: int, l2_pages: Sequence[int], layered: bool) -> tuple[Path, list[tuple[int, int]]]:
         nbytes = n * self.bytes_per_page
@@ -886,7 +1006,7 @@ class TransferEngine:
             self._wait_caller()
             timer[0].record(self.stream)
         try:
-            for lo, hi in self.layer_groups():
+            for i, (lo, hi) in enumerate(self.layer_groups()):
                 for row in itertools.chain(range(lo, hi), range(layers + lo, layers + hi)):
                     for dst, src, count in plan:
                         rows = (dst + row * l1_row, slab, src + row * slab, l2_page, slab, count)
@@ -896,6 +1016,7 @@ class TransferEngine:
                             dma.copy_rows_host(*rows)
                 for event in {id(e): e for e in events[lo:hi]}.values():
                     self._record_layer(event, self.stream)
+                self._midway_after(i + 1)
         finally:
             if timer is not None:
                 timer[1].record(self.stream)
@@ -1080,7 +1201,7 @@ class TransferEngine:
         if kern is not None:
             self._wait_join(kern, copy)
         unit = 0
-        for lo, hi in self.layer_groups():
+        for i, (lo, hi) in enumerate(self.layer_groups()):
             count = hi - lo
             loaded = False
             if l2_ids is not None:
@@ -1105,6 +1226,7 @@ class TransferEngine:
                         ring.free[k].record(kern)
             for event in {id(e): e for e in events[lo:hi]}.values():
                 self._record_layer(event, kern if kern is not None else self.stream)
+            self._midway_after(i + 1)
         if kern is not None:
             self._wait_done(copy, kern)
         if l1_runs is not None and unit:
@@ -1258,6 +1380,7 @@ class TransferEngine:
         }
 
     def synchronize(self) -> None:
+        self.flush()
         if self.cuda:
             self.stream.synchronize()
             if self._kernel_stream is not None:

@@ -58,9 +58,15 @@ from hicache.engine.model import (
     model_geometry,
     model_identity,
 )
+from hicache.engine.signals import LayerSignals
 from hicache.errors import ConfigError, HiCacheError, IntegrityError, MisuseError
 from hicache.facade import HiCache, HiCacheConfig, _default_device
 from hicache.spec.model import Direction, Tier
+
+# A signalled layered restore launches its forward once this many layer groups of its copy
+# are queued (TransferEngine.flush's midway): sooner, the copy engine may run dry while the
+# host launches the forward; later, the forward starts later (bench: --forward-after).
+FORWARD_AFTER_GROUPS = 3
 
 # An idle step (only restores in flight) sleeps this long before polling again; while every
 # restore still reads storage, twice as long after each idle step, at most 2**IDLE_BACKOFF_STEPS
@@ -577,18 +583,74 @@ class Engine:
         t0 = seq.restore_started = time.perf_counter()
         layered = self.layered and plan.tier is Tier.L2 and not self.runner.layered_busy
         events = self.runner.layer_events if layered else None
-        seq.restore = cache.start_restore(seq.req, plan, layer_events=events)
-        self.stats.cache_s += time.perf_counter() - t0
-        if seq.restore is None:  # refused (no room, or the copy could not start): recompute
-            seq.state = SeqState.READY
-            self._restore_failed(seq)
-            return
-        if seq.restore.layered:
-            self._launch_layered(seq)
+        signals = self.runner.signals if layered else None
+        defer = cache.device.deferring if signals is not None else None
+        if signals is None or defer is None:
+            # CUDA events: the forward waits for the records made before its launch, so it
+            # is launched once the restore's copies (and their records) are all queued.
+            seq.restore = cache.start_restore(seq.req, plan, layer_events=events)
+            self.stats.cache_s += time.perf_counter() - t0
+            if seq.restore is None:  # refused (no room, or the copy could not start): recompute
+                self._refused(seq)
+                return
+            if seq.restore.layered:
+                self._launch_layered(seq)
+        else:
+            self._start_signalled(seq, plan, signals, defer)
         self.stats.restore_issue_s += time.perf_counter() - seq.restore_started
 
-    def _launch_layered(self, seq: _Seq) -> None:
-        """Allocate ``seq``'s own pages and launch its prefill over the prefix still landing."""
+    def _start_signalled(self, seq: _Seq, plan: Plan, signals: LayerSignals, defer: Any) -> None:
+        """Commit the restore with its H2D held back, then queue its copies and launch the
+        forward over the prefix (its waits are value waits) as soon as the first
+        ``FORWARD_AFTER_GROUPS`` layer groups are queued: the forward runs from the first
+        groups' landing instead of from the last copy's queuing, and the copy engine has
+        work while the host launches it. Every signal is written once and consumed once,
+        whatever fails (:mod:`hicache.engine.signals`)."""
+        cache, t0 = self.cache, time.perf_counter()
+        assert seq.req is not None
+        signals.arm()
+        layered = False
+        launched: list[bool] = []
+        try:
+            with defer():
+                seq.restore = cache.start_restore(seq.req, plan, layer_events=signals.events)
+            self.stats.cache_s += time.perf_counter() - t0
+            if seq.restore is not None and seq.restore.layered:
+                layered = True
+                batch = self._layered_batch(seq)
+                if batch is not None and self.runner.replays([batch[0]], layered=True):
+                    launch = functools.partial(self._launch_forward, seq, *batch)
+                    cache.device.flush(lambda: launched.append(launch()), after=FORWARD_AFTER_GROUPS)
+                elif batch is not None:
+                    # NOTE: a capture synchronizes the device, and an eager forward may (its
+                    # allocations): launched before its copies are queued, it would wait for
+                    # them forever. It is launched after them.
+                    cache.device.flush()
+                    launched.append(self._launch_forward(seq, *batch))
+        finally:
+            try:
+                cache.device.flush()
+            finally:
+                if layered or signals.recorded_any:
+                    self.runner.end_round(consumed=bool(launched and launched[0]))
+        if seq.restore is None:
+            self._refused(seq)
+
+    def _refused(self, seq: _Seq) -> None:
+        """The restore was refused (no room, or the copy could not start): recompute."""
+        seq.state = SeqState.READY
+        self._restore_failed(seq)
+
+    def _launch_layered(self, seq: _Seq) -> bool:
+        """Allocate ``seq``'s own pages and launch its prefill over the prefix still landing;
+        whether it was launched (False: no room for its pages now, and it prefills after its
+        restore as usual)."""
+        batch = self._layered_batch(seq)
+        return batch is not None and self._launch_forward(seq, *batch)
+
+    def _layered_batch(self, seq: _Seq) -> tuple[tuple[list[int], list[DevicePage], int], list[DevicePage]] | None:
+        """Allocate ``seq``'s own pages for a layered prefill: its forward's sequence
+        ``(tail, prefix + own pages, cached)`` and the prefix's pages; None without room."""
         restore, req, ps = seq.restore, seq.req, self.page_size
         assert restore is not None and restore.pages is not None and req is not None
         prompt = seq.prompt
@@ -598,19 +660,27 @@ class Engine:
         own = self.cache.allocate(req, need)
         self.stats.cache_s += time.perf_counter() - t0
         if own is None:
-            return  # no room now: the request prefills after its restore, as usual
+            return None
         seq.own = own
         prefix = restore.pages[: cached // ps]
+        return (list(prompt[cached:]), prefix + own, cached), prefix
+
+    def _launch_forward(
+        self, seq: _Seq, batch: tuple[list[int], list[DevicePage], int], prefix: list[DevicePage]
+    ) -> bool:
+        """Launch ``seq``'s layered prefill (:meth:`_layered_batch`); True once launched."""
+        t0 = time.perf_counter()
         try:
-            logits = self.runner.forward([(prompt[cached:], prefix + own, cached)], layered=True)[0]
+            logits = self.runner.forward([batch], layered=True)[0]
         except BaseException:
             # NOTE: kernels it queued may still write its own pages, which go back to the
             # pool when the request fails: whoever takes them next is ordered after them.
             self.runner.join_layered()
             raise
-        seq.layered = _Layered(logits, cached, prefix)
+        seq.layered = _Layered(logits, batch[2], prefix)
         self.stats.layered_prefills += 1
         self.stats.layered_launch_s += time.perf_counter() - t0
+        return True
 
     def _restored(self, restore: PendingRestore) -> None:
         seq = self._active.get(self._by_request(restore.request))

@@ -31,6 +31,8 @@ from hicache.core.geometry import KVGeometry
 from hicache.engine import attention as paged
 from hicache.engine import fused
 from hicache.engine.attention import visible as visible  # re-exported: the mask rule lives with the kernel
+from hicache.engine.signals import LayerSignals
+from hicache.engine.signals import probe as probe_signals
 from hicache.errors import ConfigError, MisuseError
 
 ATTENTION = "hicache_paged"
@@ -265,6 +267,12 @@ def resolve_attention(attention: AttentionImpl, device: str | torch.device) -> A
     return "paged" if torch.device(device).type == "cuda" and paged.HAVE_TRITON else "gqa"
 
 
+# Whether runners signal layers by value (LayerSignals) where the driver can, so a layered
+# forward is launched while its restore's copies are queued; False: CUDA events, the forward
+# launched after them (bench: --layer-waits).
+LAYER_SIGNALS = False
+
+
 class ModelRunner:
     """Forward passes of ``net`` whose KV lives in ``pool``; returns last-token logits.
 
@@ -288,6 +296,7 @@ class ModelRunner:
         attention: AttentionImpl = "auto",
         cudnn: CudnnUse = "off",
         layer_groups: Sequence[tuple[int, int]] | None = None,
+        layer_signals: bool | None = None,
     ) -> None:
         """``graph_tokens``: the most new tokens a graph replays; contexts are padded to
         ``graph_bucket``; at most ``max_graphs`` graphs, of which short fresh prefills
@@ -297,7 +306,11 @@ class ModelRunner:
         into the query length), ``"auto"`` (paged on CUDA with Triton, else gqa). ``cudnn``:
         cuDNN's SDPA backend keeps host memory per distinct shape and an engine's shapes
         keep changing, so ``"off"``; ``"graphs"`` (captures only) and ``"on"`` are for
-        measuring. ``layer_groups``: the transfer's; layers landing together share an event."""
+        measuring. ``layer_groups``: the transfer's; layers landing together share an event.
+        ``layer_signals``: where the driver's value waits work (cuda-python), the layer events
+        are :class:`~hicache.engine.signals.LayerSignals` (:attr:`signals`), so a layered
+        forward can be launched before its restore's copies are queued; else CUDA events
+        (None: :data:`LAYER_SIGNALS`)."""
         if attention not in ("auto", "paged", "gqa", "fold"):
             raise ConfigError(f"attention must be 'auto', 'paged', 'gqa' or 'fold', got {attention!r}")
         attention = resolve_attention(attention, pool.device)
@@ -349,6 +362,8 @@ class ModelRunner:
         groups = layer_groups or [(x, x + 1) for x in range(layers)]
         if [x for lo, hi in groups for x in range(lo, hi)] != list(range(layers)):
             raise ConfigError(f"layer_groups {list(groups)} do not cover layers 0..{layers - 1} in order")
+        self.signals: LayerSignals | None = None  # value waits: the forward can be launched first
+        self._fill: Any = None  # where end_round records the signals a producer did not
         if cuda:
             make: Any = torch.cuda.Event
             shared = [make(external=True) for _ in groups]  # a group's layers land together
@@ -365,6 +380,10 @@ class ModelRunner:
             self._mark = make()
             self._layered_done = make()
             self._upload_kernel = self._warm_upload()
+            if (LAYER_SIGNALS if layer_signals is None else layer_signals) and dma.values_usable():
+                signals = LayerSignals(groups, pool.device)
+                if probe_signals(signals, self._side):
+                    self.signals, self.layer_events = signals, signals.events
         self.closed = False
 
     def _warm_upload(self) -> bool:
@@ -395,7 +414,8 @@ class ModelRunner:
             self._capture_stream.synchronize()
         self.graphs_enabled = False
         self._graphs.clear()  # NOTE: first: no graph captured on the streams outlives this
-        for role, stream in (("side", self._side), ("capture", self._capture_stream), ("issue", self._issue)):
+        streams = {"side": self._side, "capture": self._capture_stream, "issue": self._issue, "signals": self._fill}
+        for role, stream in streams.items():
             if isinstance(stream, torch.cuda.ExternalStream):
                 _SPARE_STREAMS.setdefault((stream.device_index, role), []).append(stream)
 
@@ -482,8 +502,44 @@ class ModelRunner:
             self._side.wait_stream(torch.cuda.current_stream(self.pool.device))  # pages' previous users
             with torch.cuda.stream(self._side):
                 logits = self._forward(seqs, True)
+                if self.signals is not None:
+                    self.signals.reset(self._side)  # the consumer's last step (signals module)
                 self._layered_done.record()
             return logits
+
+    def end_round(self, *, consumed: bool) -> None:
+        """After a round's producer is done (its H2D queued, or failed): record the signals
+        it did not, on a stream of their own (one nothing waits behind, so they land even
+        when the caller's stream waits for a forward that waits for them), and unless a
+        layered forward was launched to consume the round (``consumed``), consume it here:
+        on the side stream, after any forward there, wait for every group, zero the flags
+        (:mod:`hicache.engine.signals`)."""
+        if self.signals is None:
+            return
+        if self._fill is None and self._side is not None:
+            self._fill = _own_stream(self.pool.device, "signals", priority=-1)
+        self.signals.fill(self._fill)
+        if not consumed:
+            self.signals.wait_all(self._side)
+            self.signals.reset(self._side)
+            if self._layered_done is not None:
+                self._layered_done.record(self._side)
+
+    def replays(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], *, layered: bool = False) -> bool:
+        """Whether :meth:`forward` of ``seqs`` would replay a graph already captured: no
+        capture (which synchronizes the device) and no eager forward (whose allocations may),
+        so nothing in it waits on the host for the GPU. A layered forward launched before its
+        copies are queued must be such a one: a host wait there would wait for copies not
+        yet queued."""
+        if not seqs or not self.graphs_enabled or not seqs[0][0]:
+            return False
+        q = len(seqs[0][0])
+        ctx = [cached + q for _, _, cached in seqs]
+        if len(seqs) * q > self.graph_tokens or all(cached == 0 for _, _, cached in seqs):
+            return False
+        key = (len(seqs), q, -(-max(ctx) // self.graph_bucket) * self.graph_bucket, layered)
+        graph = self._graphs.get(key)
+        return graph is not None and graph.graph is not None
 
     def _forward(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], layered: bool) -> torch.Tensor:
         if not seqs:

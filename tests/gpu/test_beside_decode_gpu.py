@@ -38,7 +38,8 @@ pytestmark = [
 PROVE = os.environ.get("HICACHE_PROVE_WAITS") == "1"
 LONG_SLEEP = 1_000_000_000  # ~0.5 s of GPU time: the decode batch, held on the device
 SHORT_SLEEP = 100_000_000  # ~50 ms: the noise lands late unless the copy waits for it
-LAYERED = [False, True] if dma.AVAILABLE else [False]
+# off, or layered with its forward waiting on CUDA events or on layer signals (value waits)
+LAYERED = ["off", "events", "values"] if dma.AVAILABLE else ["off"]
 
 
 def variants(wait: str) -> list[Any]:
@@ -69,7 +70,9 @@ def drop(monkeypatch: pytest.MonkeyPatch, wait: str | None) -> None:
 class Scene:
     """An engine whose prefix (18 pages) is in L2 only, with one request decoding."""
 
-    def __init__(self, layered: bool) -> None:
+    def __init__(self, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr("hicache.engine.model.LAYER_SIGNALS", mode == "values")
+        layered = mode != "off"
         rng = random.Random(3)
         self.prefix = [rng.randrange(512) for _ in range(288)]
         self.prompt = [*self.prefix, 1, 2, 3]
@@ -118,21 +121,21 @@ def timing_event(stream: Any) -> Any:
     return event
 
 
-@pytest.mark.parametrize("layered", LAYERED)
+@pytest.mark.parametrize("mode", LAYERED)
 @pytest.mark.parametrize("wait", variants("after"))
 def test_a_restore_started_beside_a_decode_batch_runs_beside_it(
-    layered: bool, wait: str | None, monkeypatch: pytest.MonkeyPatch
+    mode: str, wait: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The decode batch is held ~0.5 s on the device; the restore's copy (and its layered
     forward) must end before the batch does."""
-    s = Scene(layered)
+    s = Scene(mode, monkeypatch)
     s.start_decoding()
     assert s.restore_beside_decode().restored_from == "L2"  # untimed: every stream and graph warm
     drop(monkeypatch, wait)
     s.start_decoding()
     e = s.e
     marks: dict[str, Any] = {}
-    forward, h2d, launch = e.runner.forward, e.cache.device.h2d, e._launch_layered
+    forward, h2d, launch, flush = e.runner.forward, e.cache.device.h2d, e._launch_forward, e.cache.device.flush
 
     def held(seqs: Any, *, layered: bool = False) -> torch.Tensor:
         if not layered and "batch" not in marks:
@@ -144,23 +147,32 @@ def test_a_restore_started_beside_a_decode_batch_runs_beside_it(
 
     def copy(src: list[int], dst: list[int], layer_events: object = None) -> object:
         ticket = h2d(src, dst, layer_events=layer_events)  # type: ignore[arg-type]
-        marks["copy"] = timing_event(e.cache.device.stream)
+        if not e.cache.device._pending:  # queued now, not deferred (TransferEngine.deferring)
+            marks["copy"] = timing_event(e.cache.device.stream)
         return ticket
 
-    def launched(seq: Any) -> None:
-        launch(seq)
+    def flushed(*args: Any, **kwargs: Any) -> None:
+        deferred = bool(e.cache.device._pending)
+        flush(*args, **kwargs)
+        if deferred:
+            marks["copy"] = timing_event(e.cache.device.stream)
+
+    def launched(*args: Any) -> bool:
+        out: bool = launch(*args)
         marks["layered"] = timing_event(e.runner._side)
+        return out
 
     monkeypatch.setattr(e.runner, "forward", held)
     monkeypatch.setattr(e.cache.device, "h2d", copy)
-    monkeypatch.setattr(e, "_launch_layered", launched)
+    monkeypatch.setattr(e, "_launch_forward", launched)
+    monkeypatch.setattr(e.cache.device, "flush", flushed)
     out = s.restore_beside_decode()
     torch.cuda.synchronize()
     assert out.restored_from == "L2"
     assert out.first_logits is not None and s.hit.first_logits is not None
     assert torch.equal(out.first_logits, s.hit.first_logits)
     ends = [k for k in ("copy", "layered") if k in marks]
-    assert ends == (["copy", "layered"] if layered else ["copy"])
+    assert ends == (["copy", "layered"] if mode != "off" else ["copy"])
     batch = marks["start"].elapsed_time(marks["batch"])
     for k in ends:
         beside = marks["start"].elapsed_time(marks[k]) < batch
@@ -168,15 +180,15 @@ def test_a_restore_started_beside_a_decode_batch_runs_beside_it(
     s.close()
 
 
-@pytest.mark.parametrize("layered", LAYERED)
+@pytest.mark.parametrize("mode", LAYERED)
 @pytest.mark.parametrize("wait", variants("mark"))
 def test_a_restore_started_beside_a_decode_batch_waits_for_what_came_before_it(
-    layered: bool, wait: str | None, monkeypatch: pytest.MonkeyPatch
+    mode: str, wait: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Noise is written, ~50 ms late, on the caller's stream into every L1 page the decoder
     does not hold, before the step that starts the restore: the restore's copy must land
     after it, so the restored request and a later hit on its pages match the first hit."""
-    s = Scene(layered)
+    s = Scene(mode, monkeypatch)
     s.start_decoding()
     assert s.restore_beside_decode().restored_from == "L2"  # untimed: every stream and graph warm
     drop(monkeypatch, wait)

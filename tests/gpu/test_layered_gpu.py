@@ -142,10 +142,15 @@ def test_layered_h2d_falls_back_to_torch_when_the_triton_scatter_fails(monkeypat
 
 
 @pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
+@pytest.mark.parametrize("signals", [True, False], ids=["value-waits", "events"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_layered_restore_waits_for_each_layer_and_matches_the_l1_hit(graphs: bool) -> None:
+def test_layered_restore_waits_for_each_layer_and_matches_the_l1_hit(
+    monkeypatch: pytest.MonkeyPatch, graphs: bool, signals: bool
+) -> None:
     """The copy is held back ~50 ms and L1 is filled with garbage first: a forward that
-    read a layer before it landed would give other logits."""
+    read a layer before it landed would give other logits. With value waits the forward is
+    launched before the copies are queued, and every round leaves the flags at zero."""
+    monkeypatch.setattr("hicache.engine.model.LAYER_SIGNALS", signals)
     e = Engine(
         "tiny",
         device="cuda",
@@ -162,11 +167,127 @@ def test_layered_restore_waits_for_each_layer_and_matches_the_l1_hit(graphs: boo
     e.generate(prompt)
     e.cache.drain()
     hit = e.generate([*prompt, 5, 6], max_new_tokens=4)
+    assert (e.runner.signals is not None) == signals
+    order = launch_order(e, monkeypatch)
     hold_back_h2d(e)
     for round in (1, 2):  # the second replays the layered graph captured by the first
         drop_l1(e, garbage=True)
         out = e.generate([*prompt, 5, 6], max_new_tokens=4)
         assert_served_like_the_hit(e, out, hit, round)
+    # value waits: a replay is launched while its copies are being queued (a first use
+    # captures, which synchronizes the device: after them); events: always after them
+    assert order == ["copies", "forward"] + (["forward", "copies"] if signals and graphs else ["copies", "forward"])
+    flags_back_at_zero(e)
+    e.cache.check_integrity()
+    e.close()
+
+
+def launch_order(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Logs, per layered restore, whether its forward was launched or its copies were all
+    queued first."""
+    order: list[str] = []
+    forward = e.runner.forward
+
+    def fwd(seqs: Any, *, layered: bool = False) -> torch.Tensor:
+        if layered:
+            order.append("forward")
+        return forward(seqs, layered=layered)
+
+    straight, ring = e.cache.device._issue_straight, e.cache.device._issue
+
+    def copies(*args: Any) -> Any:  # straight into L1: layered H2Ds only
+        out = straight(*args)
+        order.append("copies")
+        return out
+
+    def through_the_ring(*args: Any) -> Any:  # (ticket, path, d2h, l1, l2, runs, events, l1_runs)
+        out = ring(*args)
+        if args[6] is not None:
+            order.append("copies")
+        return out
+
+    monkeypatch.setattr(e.runner, "forward", fwd)
+    monkeypatch.setattr(e.cache.device, "_issue_straight", copies)
+    monkeypatch.setattr(e.cache.device, "_issue", through_the_ring)
+    return order
+
+
+def flags_back_at_zero(e: Engine) -> None:
+    """Every round of layer signals was consumed: the flags are zero again."""
+    torch.cuda.synchronize()
+    if e.runner.signals is not None:
+        assert int(e.runner.signals.flags.abs().sum()) == 0, e.runner.signals.flags.tolist()
+        assert e.runner.signals.ignored == 0
+
+
+@pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
+@pytest.mark.parametrize("failure", ["read-fault", "no-room", "forward-raises", "cannot-queue"])
+def test_a_failed_signalled_restore_consumes_its_round_and_the_next_is_exact(
+    monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """Each way a signalled restore can fail on the GPU: no hang (every signal written, each
+    round consumed), the request served or failed as the CPU tests say, the flags zero,
+    and the next restore (held back, over garbage) gives the L1 hit's logits exactly."""
+    monkeypatch.setattr("hicache.engine.model.LAYER_SIGNALS", True)
+    e = Engine("tiny", device="cuda", page_size=16, num_pages=256, enable_hicache=True, l2_pages=256,
+               policy="always", layered_restore=True)  # fmt: skip
+    assert e.runner.signals is not None
+    rng = random.Random(5)
+    prompt = [rng.randrange(512) for _ in range(300)]
+    e.generate(prompt)
+    e.cache.drain()
+    hit = e.generate([*prompt, 5, 6], max_new_tokens=4)
+    undo: list[Any] = []
+    if failure == "read-fault":
+        e.cache.faults.add("fail", op="read")
+    elif failure == "no-room":
+        allocate = e.cache.allocate
+        calls = {"n": 0}
+
+        def no_room_once(req: Any, n: int) -> Any:
+            calls["n"] += 1
+            return None if calls["n"] == 1 else allocate(req, n)
+
+        monkeypatch.setattr(e.cache, "allocate", no_room_once)
+    elif failure == "forward-raises":
+        forward = e.runner._forward
+
+        def oom(seqs: Any, layered: bool) -> torch.Tensor:
+            if layered:
+                raise torch.OutOfMemoryError("no memory for the layered forward")
+            return forward(seqs, layered)
+
+        monkeypatch.setattr(e.runner, "_forward", oom)
+        undo.append(lambda: monkeypatch.setattr(e.runner, "_forward", forward))
+    else:
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("cudaMemcpy2DAsync failed")
+
+        real = e.cache.device._issue_straight
+        monkeypatch.setattr(e.cache.device, "_issue_straight", broken)
+        undo.append(lambda: monkeypatch.setattr(e.cache.device, "_issue_straight", real))
+    hold_back_h2d(e)
+    drop_l1(e, garbage=True)
+    rid = e.submit([*prompt, 5, 6], 4)
+    (out,) = e.run()
+    assert out.id == rid
+    if failure == "forward-raises":
+        assert out.error is not None
+    elif failure == "no-room":  # restored, then prefilled over the restored prefix as usual
+        assert out.error is None and out.restored_from == "L2" and out.first_logits is not None
+        assert hit.first_logits is not None and torch.equal(out.first_logits, hit.first_logits)
+    else:  # the restore failed: the whole prompt is recomputed
+        assert out.error is None and out.restore_failed
+    assert e.stats.layered_used == 0
+    flags_back_at_zero(e)
+    for fn in undo:
+        fn()
+    e.cache.drain()
+    drop_l1(e, garbage=True)
+    out = e.generate([*prompt, 5, 6], max_new_tokens=4)
+    assert_served_like_the_hit(e, out, hit, 1)
+    flags_back_at_zero(e)
     e.cache.check_integrity()
     e.close()
 
