@@ -64,6 +64,7 @@ import itertools
 import logging
 import os
 import statistics
+import threading
 import time
 import warnings
 from collections import deque
@@ -181,6 +182,7 @@ class DeviceTicket(Ticket):
     keep: list[Any] = field(default_factory=list)
     stream: Any = None  # the stream ``event`` is recorded on
     flush: Callable[[], None] | None = None  # queues it, if its H2D was deferred (TransferEngine.deferring)
+    queued: threading.Event | None = None  # a deferred H2D's: set once it is queued (or failed)
 
     def wait_on_current_stream(self) -> None:
         """Make the caller's current CUDA stream wait for this transfer (no CPU block)."""
@@ -193,10 +195,12 @@ class DeviceTicket(Ticket):
     def settle(self) -> bool:
         """Block until the copy itself has ended, without running completion work (safe
         from any thread: an I/O worker may call it before reading pages this wrote).
-        Whether there was a copy on the device to wait for. (A deferred H2D is queued first:
-        from the thread that made it; I/O workers settle D2H tickets only.)"""
+        Whether there was a copy on the device to wait for. A deferred H2D is queued first:
+        by its own thread, which another thread waits for."""
         if self.flush is not None:
             self.flush()
+        if self.queued is not None:
+            self.queued.wait()
         event = self.event
         if event is None:
             return False
@@ -411,6 +415,7 @@ class TransferEngine:
         self._midway: tuple[int, Callable[[], None], Any] | None = None  # flush(midway=...), not yet called
         self._midway_error: BaseException | None = None
         self._midway_s = 0.0  # time spent in midway calls (not any transfer's enqueue)
+        self._pending_thread = 0  # the thread that made the deferred H2Ds
         self._pending: deque[tuple[DeviceTicket, Callable[[], None]]] = deque()  # deferred H2Ds (deferring())
 
     # -- backend choice ----------------------------------------------------------------------
@@ -671,6 +676,7 @@ class TransferEngine:
         planned = time.perf_counter() - t0
 
         def issue() -> None:
+            ticket.flush = None  # queued now: nothing left for the ticket to flush
             taken, t1, aside = path, time.perf_counter(), self._midway_s
             counts = (self.straight, self.d2d)
             try:
@@ -700,6 +706,8 @@ class TransferEngine:
 
         if self._deferring and events is not None:
             self._pending.append((ticket, issue))
+            self._pending_thread = threading.get_ident()
+            ticket.queued = threading.Event()
             ticket.bind(self._when_issued(ticket))
             ticket.flush = self.flush
         else:
@@ -739,6 +747,11 @@ class TransferEngine:
         forward launched there starts on the first groups' pages while the copy engine still
         has work, and the rest is queued behind it. Its exception is raised after the flush
         (the H2Ds are queued whole either way); its time is not the transfer's enqueue."""
+        if self._pending and threading.get_ident() != self._pending_thread:
+            # NOTE: an I/O worker settling a ticket: deferred H2Ds are queued by the thread
+            # that made them (and its midway launches run there); the worker's wait then
+            # ends once they are.
+            return
         self._midway = None if midway is None else (after, midway, torch.cuda.current_stream() if self.cuda else None)
         self._midway_error = None
         try:
@@ -749,6 +762,12 @@ class TransferEngine:
                 except Exception as exc:
                     log.warning("hicache H2D of %d pages could not be queued: %r", ticket.pages, exc)
                     self._fail_queued(ticket, f"could not be queued: {exc!r}")
+                except BaseException:
+                    self._fail_queued(ticket, "interrupted while queued")
+                    raise
+                finally:
+                    if ticket.queued is not None:
+                        ticket.queued.set()
                 if not self.cuda and ticket.ok is None:
                     ticket.poll()
         finally:

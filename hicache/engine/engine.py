@@ -618,14 +618,16 @@ class Engine:
             if seq.restore is not None and seq.restore.layered:
                 layered = True
                 batch = self._layered_batch(seq)
-                if batch is not None and self.runner.replays([batch[0]], layered=True):
-                    launch = functools.partial(self._launch_forward, seq, *batch)
+                into = self.runner.replay_target([batch[0]], layered=True) if batch is not None else None
+                if batch is not None and into is not None:
+                    launch = functools.partial(self._launch_forward, seq, *batch, into=into)
                     cache.device.flush(lambda: launched.append(launch()), after=FORWARD_AFTER_GROUPS)
                 elif batch is not None:
                     # NOTE: a capture synchronizes the device, and an eager forward may (its
-                    # allocations): launched before its copies are queued, it would wait for
-                    # them forever. It is launched after them.
+                    # allocations): launched before its copies are queued, or over signals a
+                    # failed copy never wrote, it would wait for them forever.
                     cache.device.flush()
+                    self.runner.fill_signals()
                     launched.append(self._launch_forward(seq, *batch))
         finally:
             try:
@@ -666,12 +668,17 @@ class Engine:
         return (list(prompt[cached:]), prefix + own, cached), prefix
 
     def _launch_forward(
-        self, seq: _Seq, batch: tuple[list[int], list[DevicePage], int], prefix: list[DevicePage]
+        self,
+        seq: _Seq,
+        batch: tuple[list[int], list[DevicePage], int],
+        prefix: list[DevicePage],
+        into: torch.Tensor | None = None,
     ) -> bool:
-        """Launch ``seq``'s layered prefill (:meth:`_layered_batch`); True once launched."""
+        """Launch ``seq``'s layered prefill (:meth:`_layered_batch`); True once launched.
+        ``into``: where its graph replay puts the logits (:meth:`ModelRunner.replay_target`)."""
         t0 = time.perf_counter()
         try:
-            logits = self.runner.forward([batch], layered=True)[0]
+            logits = self.runner.forward([batch], layered=True, into=into)[0]
         except BaseException:
             # NOTE: kernels it queued may still write its own pages, which go back to the
             # pool when the request fails: whoever takes them next is ordered after them.

@@ -384,6 +384,7 @@ class ModelRunner:
                 signals = LayerSignals(groups, pool.device)
                 if probe_signals(signals, self._side):
                     self.signals, self.layer_events = signals, signals.events
+                    self._fill = _own_stream(pool.device, "signals", priority=-1)
         self.closed = False
 
     def _warm_upload(self) -> bool:
@@ -485,7 +486,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], *, layered: bool = False
+        self,
+        seqs: Sequence[tuple[Sequence[int], Sequence[int], int]],
+        *,
+        layered: bool = False,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``seqs``: ``(new_tokens, pages, cached_len)`` each; all in one batch must have the
         same number of new tokens (prefill batches, or decode batches of one token each).
@@ -493,19 +498,31 @@ class ModelRunner:
         ``layered``: the cached pages are still landing; each layer's attention first waits
         on ``layer_events[l]``, which the transfer records once layer ``l`` has landed (on CPU
         the events are empty: an ordinary forward); the logits are not ready until
-        :meth:`join_layered`."""
+        :meth:`join_layered`. ``into`` (from :meth:`replay_target`): where a graph replay puts
+        its logits, so the forward allocates nothing."""
         if self.closed:
             raise MisuseError("forward on a closed model runner")
         with contextlib.nullcontext() if self._backends is None else sdpa_kernel(self._backends):
             if not layered or self._side is None:
-                return self._forward(seqs, False)
+                logits = self._forward(seqs, False, into)
+                if layered and self.signals is not None:  # the consumer's steps, in order (CPU: tests)
+                    self.signals.wait_all(self._side)
+                    self.signals.reset(self._side)
+                return logits
             self._side.wait_stream(torch.cuda.current_stream(self.pool.device))  # pages' previous users
             with torch.cuda.stream(self._side):
-                logits = self._forward(seqs, True)
+                logits = self._forward(seqs, True, into)
                 if self.signals is not None:
                     self.signals.reset(self._side)  # the consumer's last step (signals module)
                 self._layered_done.record()
             return logits
+
+    def fill_signals(self) -> None:
+        """Record, on a stream of their own, the round's signals its producer did not (it is
+        done: its H2D queued or failed). Before a forward that may wait on the host for the
+        GPU (a capture, an eager forward) is launched over a failed H2D, and at the round's end."""
+        if self.signals is not None:
+            self.signals.fill(self._fill)
 
     def end_round(self, *, consumed: bool) -> None:
         """After a round's producer is done (its H2D queued, or failed): record the signals
@@ -516,9 +533,7 @@ class ModelRunner:
         (:mod:`hicache.engine.signals`)."""
         if self.signals is None:
             return
-        if self._fill is None and self._side is not None:
-            self._fill = _own_stream(self.pool.device, "signals", priority=-1)
-        self.signals.fill(self._fill)
+        self.fill_signals()
         if not consumed:
             self.signals.wait_all(self._side)
             self.signals.reset(self._side)
@@ -541,7 +556,24 @@ class ModelRunner:
         graph = self._graphs.get(key)
         return graph is not None and graph.graph is not None
 
-    def _forward(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], layered: bool) -> torch.Tensor:
+    def replay_target(
+        self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], *, layered: bool = False
+    ) -> torch.Tensor | None:
+        """If :meth:`forward` of ``seqs`` would replay a captured graph (:meth:`replays`), a
+        new tensor for its logits (``forward(..., into=)``), else None. Allocated before the
+        copies it waits for are queued: an allocation may free cached memory, which
+        synchronizes the device."""
+        if not self.replays(seqs, layered=layered):
+            return None
+        q = len(seqs[0][0])
+        key = (len(seqs), q, -(-max(c + q for _, _, c in seqs) // self.graph_bucket) * self.graph_bucket, layered)
+        out = self._graphs[key].out
+        assert out is not None
+        return torch.empty_like(out)
+
+    def _forward(
+        self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], layered: bool, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if not seqs:
             raise ConfigError("forward needs at least one sequence")
         self.captured_last = False
@@ -578,7 +610,7 @@ class ModelRunner:
             self._upload(graph.flat, ids, pos, write, read, ctx_t)
             self.captured_last = graph.graph is None
             try:
-                logits = graph.run()
+                logits = graph.run(into if graph.graph is not None else None)
                 self.graph_replays += 1
                 return logits
             except RuntimeError as exc:  # a capture transformers' code does not allow
@@ -710,14 +742,15 @@ class _Graph:
         batch = self.runner.batch(self.write, self.read, self.ctx, layered=self.layered)
         return _logits(self.net, self.ids, self.pos, batch)
 
-    def run(self) -> torch.Tensor:
-        """Replay (capturing first if needed) on the inputs already in ``flat``."""
+    def run(self, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay (capturing first if needed) on the inputs already in ``flat``; the logits
+        copied out of the graph's buffer into ``into`` if given, else into a new tensor."""
         if self.graph is None:
             with contextlib.nullcontext() if self.backends is None else sdpa_kernel(self.backends):
                 self._capture()
         assert self.graph is not None and self.out is not None
         self.graph.replay()
-        return self.out.clone()
+        return self.out.clone() if into is None else into.copy_(self.out)
 
     def _capture(self) -> None:
         # NOTE: on the runner's own streams, never torch's default capture stream (the

@@ -93,8 +93,8 @@ class LayerSignals:
         if self._recorded[group]:
             self.ignored += 1
             return
-        self._recorded[group] = True
         self._write(self._stream(stream), self._at(group), 1)
+        self._recorded[group] = True  # NOTE: after the write: a failed one is left to fill()
 
     def wait(self, group: int, stream: Any = None) -> None:
         """Queue on ``stream`` a wait until ``group``'s flag is written."""

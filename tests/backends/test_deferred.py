@@ -54,7 +54,9 @@ def counting_events(l1: Any, dst: list[int], want: torch.Tensor) -> list[FakeEve
 
 
 @pytest.mark.parametrize("layered", [True, False], ids=["layered", "copy-path"])
-@pytest.mark.parametrize("how", ["flush", "poll", "wait", "next-transfer", "synchronize"])
+@pytest.mark.parametrize(
+    "how", ["flush", "poll", "wait", "next-transfer", "synchronize", "settle", "wait_on_current_stream"]
+)
 def test_a_deferred_h2d_changes_nothing_until_queued_then_lands_exactly(
     monkeypatch: pytest.MonkeyPatch, layered: bool, how: str
 ) -> None:
@@ -73,6 +75,10 @@ def test_a_deferred_h2d_changes_nothing_until_queued_then_lands_exactly(
         assert ticket.wait()
     elif how == "next-transfer":
         assert eng.d2h([0], [0]).wait()  # another transfer queues the deferred one first
+    elif how == "settle":
+        ticket.settle()
+    elif how == "wait_on_current_stream":
+        ticket.wait_on_current_stream()
     else:
         eng.synchronize()
     assert ticket.wait() and state(ticket)

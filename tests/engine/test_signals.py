@@ -21,6 +21,7 @@ from hicache.backends.transfer import TransferEngine
 from hicache.engine import Engine
 from hicache.engine import engine as engine_module
 from hicache.engine.signals import LayerSignals
+from hicache.errors import MisuseError
 from hicache.spec.model import Tier
 from tests.engine.test_engine import engine
 
@@ -34,11 +35,13 @@ class Log:
         self.round = 0
         self.writes: list[tuple[int, int]] = []  # (round, group)
         self.waits: list[tuple[int, int]] = []
+        self.resets: list[int] = []  # the round of each reset
         self.signals: LayerSignals | None = None
 
     def write(self, stream: object, addr: int, value: int) -> None:
-        assert value == 1
+        assert value == 1 and self.signals is not None
         self.writes.append((self.round, self._group(addr)))
+        self.signals.flags[self._group(addr)] = value
 
     def wait(self, stream: object, addr: int, value: int) -> None:
         self.waits.append((self.round, self._group(addr)))
@@ -58,7 +61,14 @@ def fake_signals(groups: list[tuple[int, int]] = GROUPS) -> tuple[LayerSignals, 
         log.round += 1
         real_arm()
 
+    real_reset = signals.reset
+
+    def reset(stream: Any = None) -> None:
+        log.resets.append(log.round)
+        real_reset(stream)
+
     signals.arm = arm  # type: ignore[method-assign]
+    signals.reset = reset  # type: ignore[method-assign]
     return signals, log
 
 
@@ -125,18 +135,25 @@ def signalled(
 
     forward = e.runner.forward
 
-    def fwd(seqs: Any, *, layered: bool = False) -> torch.Tensor:
+    def fwd(seqs: Any, *, layered: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
         if layered:  # a replay is launched once the first group is queued, else after all
             assert not order or signals._recorded == ([True, False] if replays else [True, True])
+            # a forward that may wait on the host for the GPU (a capture, an eager forward)
+            # starts only once every signal is written, even over a failed copy
+            assert replays or all_recorded(signals)
+            assert (into is not None) == replays  # a replay allocates nothing: its target is made before
             forwards.append(False)
             if fail:
                 raise fail.pop(0)
-            out = forward(seqs, layered=layered)
+            out = forward(seqs, layered=layered, into=into)
             forwards[-1] = True
             return out
         return forward(seqs, layered=layered)
 
-    monkeypatch.setattr(e.runner, "replays", lambda seqs, *, layered=False: replays and layered)
+    def target(seqs: Any, *, layered: bool = False) -> torch.Tensor | None:
+        return torch.empty(1, 1) if replays and layered else None
+
+    monkeypatch.setattr(e.runner, "replay_target", target)
     monkeypatch.setattr(TransferEngine, "layered", property(lambda self: True))  # its per-group records, on CPU
     monkeypatch.setattr(engine_module, "FORWARD_AFTER_GROUPS", 1)
     monkeypatch.setattr(e.runner, "end_round", end)
@@ -152,11 +169,17 @@ def same_logits(out: Any, ref: Any) -> bool:
     )
 
 
-def each_round_written_once(log: Log) -> None:
+def each_round_written_once(log: Log, *, at_launch: bool = False) -> None:
     """Every group written exactly once per round, and none by :meth:`LayerSignals.fill`
     ahead of the producer (its own records would then come second, ignored: the flag would
-    say "landed" before the pages had)."""
+    say "landed" before the pages had); every round consumed: its flags zeroed. On CPU a
+    consumer runs at its launch, not after its waits: one launched mid-copy (``at_launch``)
+    zeroes them before the last writes, so there each round's reset is only counted."""
     assert log.signals is not None and log.signals.ignored == 0
+    rounds = {r for r, _ in log.writes}
+    assert rounds <= set(log.resets), f"rounds {sorted(rounds)}, resets {log.resets}"
+    if not at_launch:
+        assert not torch.count_nonzero(log.signals.flags), "a round left unconsumed: its flags not zeroed"
     per = Counter(log.writes)
     assert set(per.values()) <= {1}, per
     for r in {r for r, _ in log.writes}:
@@ -179,10 +202,14 @@ def scene(seed: int) -> tuple[list[int], Any, Any]:
     return prompt, hit, cold
 
 
-def from_l2(e: Engine, prompt: list[int]) -> Any:
+def from_l2(e: Engine, prompt: list[int], *, scramble: bool = False) -> Any:
+    """``prompt`` served after its 10-page prefix left L1 for L2; ``scramble``: the L1 pool
+    is noise first, so a forward that read a page before its copy gives other logits."""
     e.generate(prompt[:40])
     e.cache.drain()
     e.cache.core.evict(Tier.L1, 10**6)
+    if scramble:
+        e.cache.l1.buffer.normal_()
     return e.generate(prompt, max_new_tokens=3)
 
 
@@ -190,14 +217,16 @@ def from_l2(e: Engine, prompt: list[int]) -> Any:
 def test_a_signalled_layered_restore_gives_the_l1_hits_logits(monkeypatch: pytest.MonkeyPatch, replays: bool) -> None:
     """The forward is launched before the copies are queued when it replays a captured
     graph; a forward that would capture one (a capture synchronizes the device) or run
-    eagerly is launched after them, or its host would wait for copies never queued."""
+    eagerly is launched after them, or its host would wait for copies never queued.
+    (On CPU a forward runs at its launch: launched first, it reads the pages L1 still holds;
+    so only the capture case scrambles L1. The GPU tests check a replay over garbage.)"""
     prompt, hit, _ = scene(1)
     e = engine()
     log, ends, forwards = signalled(e, monkeypatch, replays=replays)
-    out = from_l2(e, prompt)
+    out = from_l2(e, prompt, scramble=not replays)
     assert out.restored_from == "L2" and e.stats.layered_used == 1
     assert forwards == [True] and ends == [True]
-    each_round_written_once(log)
+    each_round_written_once(log, at_launch=replays)
     assert same_logits(out, hit) and out.tokens == hit.tokens
     e.cache.check_integrity()
     e.close()
@@ -251,21 +280,22 @@ def test_a_forward_that_raises_leaves_its_round_drained_and_the_engine_serving(
     out = e.generate(prompt, max_new_tokens=3)  # the engine goes on: served exactly
     assert out.restored_from == "L2" and e.stats.layered_used == 1
     assert forwards == [False, True] and ends == [False, True]
-    each_round_written_once(log)
+    each_round_written_once(log, at_launch=True)
     assert same_logits(out, hit)
     e.cache.check_integrity()
     e.close()
 
 
+@pytest.mark.parametrize("replays", [True, False], ids=["replay-first", "capture-after-copies"])
 def test_an_h2d_that_cannot_be_queued_fills_the_round_and_the_request_recomputes(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, replays: bool
 ) -> None:
     """The deferred H2D raises while queued (after the forward's launch): its ticket fails,
     the signals it did not write are filled, the forward consumes the round (on garbage:
     its logits are not used), and the request recomputes the whole prompt."""
     prompt, _, cold = scene(4)
     e = engine()
-    log, ends, forwards = signalled(e, monkeypatch, order=False)
+    log, ends, forwards = signalled(e, monkeypatch, order=False, replays=replays)
     e.generate(prompt[:40])
     e.cache.drain()
     e.cache.core.evict(Tier.L1, 10**6)
@@ -277,7 +307,7 @@ def test_an_h2d_that_cannot_be_queued_fills_the_round_and_the_request_recomputes
         monkeypatch.setattr(TransferEngine, path, broken)
     out = e.generate(prompt, max_new_tokens=3)
     assert forwards == [True] and ends == [True]
-    each_round_written_once(log)
+    each_round_written_once(log, at_launch=replays)
     assert out.error is None and e.stats.layered_used == 0 and e.stats.restores_failed == 1
     assert same_logits(out, cold) and out.tokens == cold.tokens
     e.cache.check_integrity()
@@ -321,4 +351,36 @@ def test_only_a_graph_already_captured_counts_as_a_replay() -> None:
     assert not run.replays([([1, 2, 3], pages, 0)], layered=True)  # a fresh prefill
     run.graphs_enabled = False
     assert not run.replays(seqs, layered=True)
+    e.close()
+
+
+def test_a_restore_that_raises_after_its_h2d_was_made_drains_the_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``start_restore`` raises after it made the (deferred) H2D: the flush in the way out
+    queues it, so its signals are written, and with no forward to consume them the round is
+    drained; the request fails (a HiCacheError: that request only) and the engine serves on."""
+    prompt, hit, _ = scene(6)
+    e = engine()
+    log, ends, forwards = signalled(e, monkeypatch)
+    e.generate(prompt[:40])
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    controller = e.cache.controller
+    move = controller._move
+
+    def refuse_start(req: Any, event: Any, where: str) -> Any:
+        if event.name == "START_L2":
+            raise MisuseError("refused after the H2D was made")
+        return move(req, event, where)
+
+    monkeypatch.setattr(controller, "_move", refuse_start)
+    rid = e.submit(prompt, 3)
+    outs = {o.id: o for o in e.run()}
+    assert "refused after" in (outs[rid].error or "")
+    assert forwards == [] and ends == [False]
+    each_round_written_once(log)
+    monkeypatch.setattr(controller, "_move", move)
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+    out = e.generate(prompt, max_new_tokens=3)
+    assert out.restored_from == "L2" and same_logits(out, hit)
     e.close()
