@@ -137,13 +137,13 @@ def test_a_restore_started_beside_a_decode_batch_runs_beside_it(
     marks: dict[str, Any] = {}
     forward, h2d, launch, flush = e.runner.forward, e.cache.device.h2d, e._launch_forward, e.cache.device.flush
 
-    def held(seqs: Any, *, layered: bool = False) -> torch.Tensor:
+    def held(seqs: Any, *, layered: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
         if not layered and "batch" not in marks:
             caller = torch.cuda.current_stream()
             marks["start"] = timing_event(caller)
             torch.cuda._sleep(LONG_SLEEP)  # type: ignore[no-untyped-call]
             marks["batch"] = timing_event(caller)
-        return forward(seqs, layered=layered)
+        return forward(seqs, layered=layered, into=into)
 
     def copy(src: list[int], dst: list[int], layer_events: object = None) -> object:
         ticket = h2d(src, dst, layer_events=layer_events)  # type: ignore[arg-type]
@@ -157,8 +157,8 @@ def test_a_restore_started_beside_a_decode_batch_runs_beside_it(
         if deferred:
             marks["copy"] = timing_event(e.cache.device.stream)
 
-    def launched(*args: Any) -> bool:
-        out: bool = launch(*args)
+    def launched(*args: Any, **kwargs: Any) -> bool:
+        out: bool = launch(*args, **kwargs)
         marks["layered"] = timing_event(e.runner._side)
         return out
 

@@ -188,10 +188,10 @@ def launch_order(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     order: list[str] = []
     forward = e.runner.forward
 
-    def fwd(seqs: Any, *, layered: bool = False) -> torch.Tensor:
+    def fwd(seqs: Any, *, layered: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
         if layered:
             order.append("forward")
-        return forward(seqs, layered=layered)
+        return forward(seqs, layered=layered, into=into)
 
     straight, ring = e.cache.device._issue_straight, e.cache.device._issue
 
