@@ -202,12 +202,22 @@ def scene(seed: int) -> tuple[list[int], Any, Any]:
     return prompt, hit, cold
 
 
+def drop_l1(e: Engine) -> None:
+    """Every page of ``e``'s tree leaves L1 (its L2 copy stays)."""
+    e.cache.drain()
+    e.cache.core.evict(Tier.L1, 10**6)
+
+
+def prefix_in_l2(e: Engine, prompt: list[int]) -> None:
+    """``prompt``'s 10-page prefix computed, then only in L2."""
+    e.generate(prompt[:40])
+    drop_l1(e)
+
+
 def from_l2(e: Engine, prompt: list[int], *, scramble: bool = False) -> Any:
     """``prompt`` served after its 10-page prefix left L1 for L2; ``scramble``: the L1 pool
     is noise first, so a forward that read a page before its copy gives other logits."""
-    e.generate(prompt[:40])
-    e.cache.drain()
-    e.cache.core.evict(Tier.L1, 10**6)
+    prefix_in_l2(e, prompt)
     if scramble:
         e.cache.l1.buffer.normal_()
     return e.generate(prompt, max_new_tokens=3)
@@ -238,9 +248,7 @@ def test_without_room_for_its_pages_the_round_is_drained(monkeypatch: pytest.Mon
     prompt, hit, _ = scene(2)
     e = engine()
     log, ends, forwards = signalled(e, monkeypatch)
-    e.generate(prompt[:40])
-    e.cache.drain()
-    e.cache.core.evict(Tier.L1, 10**6)
+    prefix_in_l2(e, prompt)
     allocate = e.cache.allocate
     refused = {"n": 0}
 
@@ -267,16 +275,13 @@ def test_a_forward_that_raises_leaves_its_round_drained_and_the_engine_serving(
     e = engine()
     fail: list[BaseException] = [torch.OutOfMemoryError("no memory for the layered forward")]
     log, ends, forwards = signalled(e, monkeypatch, fail)
-    e.generate(prompt[:40])
-    e.cache.drain()
-    e.cache.core.evict(Tier.L1, 10**6)
+    prefix_in_l2(e, prompt)
     rid = e.submit(prompt, 3)
     outs = {o.id: o for o in e.run()}
     assert not fail and forwards == [False] and ends == [False]
     assert outs[rid].error is not None  # that request failed, nothing raised out of step()
     each_round_written_once(log)
-    e.cache.drain()
-    e.cache.core.evict(Tier.L1, 10**6)
+    drop_l1(e)
     out = e.generate(prompt, max_new_tokens=3)  # the engine goes on: served exactly
     assert out.restored_from == "L2" and e.stats.layered_used == 1
     assert forwards == [False, True] and ends == [False, True]
@@ -296,9 +301,7 @@ def test_an_h2d_that_cannot_be_queued_fills_the_round_and_the_request_recomputes
     prompt, _, cold = scene(4)
     e = engine()
     log, ends, forwards = signalled(e, monkeypatch, order=False, replays=replays)
-    e.generate(prompt[:40])
-    e.cache.drain()
-    e.cache.core.evict(Tier.L1, 10**6)
+    prefix_in_l2(e, prompt)
 
     def broken(self: TransferEngine, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("cudaMemcpyAsync failed")
@@ -318,9 +321,7 @@ def test_a_refused_restore_writes_no_signal(monkeypatch: pytest.MonkeyPatch) -> 
     prompt, _, cold = scene(5)
     e = engine()
     log, ends, forwards = signalled(e, monkeypatch)
-    e.generate(prompt[:40])
-    e.cache.drain()
-    e.cache.core.evict(Tier.L1, 10**6)
+    prefix_in_l2(e, prompt)
     monkeypatch.setattr(e.cache, "start_restore", lambda *a, **k: None)
     out = e.generate(prompt, max_new_tokens=3)
     assert log.writes == [] and ends == [] and forwards == []
@@ -361,9 +362,7 @@ def test_a_restore_that_raises_after_its_h2d_was_made_drains_the_round(monkeypat
     prompt, hit, _ = scene(6)
     e = engine()
     log, ends, forwards = signalled(e, monkeypatch)
-    e.generate(prompt[:40])
-    e.cache.drain()
-    e.cache.core.evict(Tier.L1, 10**6)
+    prefix_in_l2(e, prompt)
     controller = e.cache.controller
     move = controller._move
 
@@ -379,8 +378,7 @@ def test_a_restore_that_raises_after_its_h2d_was_made_drains_the_round(monkeypat
     assert forwards == [] and ends == [False]
     each_round_written_once(log)
     monkeypatch.setattr(controller, "_move", move)
-    e.cache.drain()
-    e.cache.core.evict(Tier.L1, 10**6)
+    drop_l1(e)
     out = e.generate(prompt, max_new_tokens=3)
     assert out.restored_from == "L2" and same_logits(out, hit)
     e.close()
