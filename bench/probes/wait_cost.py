@@ -1,16 +1,23 @@
-"""What does a wait cost inside a CUDA graph, when it is already satisfied?
+"""What does a wait cost inside a CUDA graph: satisfied, and pending?
 
 A layered forward's graph waits once per layer group. Replays of a graph of 36 "layers"
-(a few small kernels each) with 9 waits, every one already satisfied: no waits, event
-waits, value waits (``cuStreamWaitValue32`` nodes), and a one-program Triton kernel that
-spins on the flag. Prints the median replay time of each (ms, device) over 30 replays, and the host time of
-``replay()`` itself (the launch), for the plain 4-kernel layers and for 16-kernel ones.
+(a few small kernels each) with 9 waits: no waits, event waits, value waits
+(``cuStreamWaitValue32`` nodes), and a one-program Triton kernel that spins on the flag.
+
+1. Every wait already satisfied: the median replay time of each (ms, device) over 30
+   replays, and the host time of ``replay()`` itself (the launch), for 4- and 16-kernel layers.
+2. Pending: a producer stream releases group g after ``(g + 1) * 0.4`` ms (a sleep, then the
+   record or write), as a copy would; events are recorded before the graph is launched (they
+   must be), value and spin waits after it (the point of them). Prints the median time from
+   the producer's last release to the graph's end (ms), against the same graph's work after
+   its last wait, satisfied: the difference is what releasing costs.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 import triton
@@ -73,6 +80,48 @@ def main() -> None:
                 f"{per:2d} kernels/layer {kind:6s} replay median {statistics.median(times):.3f} ms "
                 f"(min {min(times):.3f}); launch (host) median {statistics.median(hosts) * 1e3:.3f} ms"
             )
+    pending(side, body, flags, events)
+
+
+def pending(side: torch.cuda.Stream, body: object, flags: torch.Tensor, events: list[Any]) -> None:
+    """Section 2 of the module docstring."""
+    producer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    cycles = int(0.4e-3 * 1.98e9)  # ~0.4 ms at ~1.98 GHz
+
+    def release(kind: str, last: torch.cuda.Event) -> None:
+        for g in range(9):
+            with torch.cuda.stream(producer):
+                torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+            if kind == "event":
+                events[g].record(producer)
+            else:
+                dma.write_value(producer, flags.data_ptr() + 4 * g, 1)
+        last.record(producer)
+
+    for kind in ("event", "value", "spin"):
+        with torch.cuda.stream(side):
+            body(kind)  # type: ignore[operator]
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            body(kind)  # type: ignore[operator]
+        tails = []
+        for _ in range(20):
+            flags.zero_()
+            torch.cuda.synchronize()
+            last = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            if kind == "event":
+                release(kind, last)
+            with torch.cuda.stream(side):
+                g.replay()
+                end.record(side)
+            if kind != "event":
+                release(kind, last)
+            end.synchronize()
+            tails.append(last.elapsed_time(end))
+        print(f"pending {kind:6s} last release -> graph end median {statistics.median(tails):.3f} ms")
+    flags.fill_(1)
 
 
 if __name__ == "__main__":
