@@ -584,8 +584,7 @@ class Engine:
         layered = self.layered and plan.tier is Tier.L2 and not self.runner.layered_busy
         events = self.runner.layer_events if layered else None
         signals = self.runner.signals if layered else None
-        defer = cache.device.deferring if signals is not None else None
-        if signals is None or defer is None:
+        if signals is None:
             # CUDA events: the forward waits for the records made before its launch, so it
             # is launched once the restore's copies (and their records) are all queued.
             seq.restore = cache.start_restore(seq.req, plan, layer_events=events)
@@ -596,10 +595,10 @@ class Engine:
             if seq.restore.layered:
                 self._launch_layered(seq)
         else:
-            self._start_signalled(seq, plan, signals, defer)
+            self._start_signalled(seq, plan, signals)
         self.stats.restore_issue_s += time.perf_counter() - seq.restore_started
 
-    def _start_signalled(self, seq: _Seq, plan: Plan, signals: LayerSignals, defer: Any) -> None:
+    def _start_signalled(self, seq: _Seq, plan: Plan, signals: LayerSignals) -> None:
         """Commit the restore with its H2D held back, then queue its copies and launch the
         forward over the prefix (its waits are value waits) as soon as the first
         ``FORWARD_AFTER_GROUPS`` layer groups are queued: the forward runs from the first
@@ -612,7 +611,7 @@ class Engine:
         layered = False
         launched: list[bool] = []
         try:
-            with defer():
+            with cache.device.deferring():
                 seq.restore = cache.start_restore(seq.req, plan, layer_events=signals.events)
             self.stats.cache_s += time.perf_counter() - t0
             if seq.restore is not None and seq.restore.layered:
