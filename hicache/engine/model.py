@@ -540,21 +540,27 @@ class ModelRunner:
             if self._layered_done is not None:
                 self._layered_done.record(self._side)
 
+    def _key(self, b: int, q: int, ctx: int, layered: bool) -> tuple[int, int, int, bool]:
+        """The graph of ``b`` sequences of ``q`` new tokens over contexts of up to ``ctx``."""
+        return (b, q, -(-ctx // self.graph_bucket) * self.graph_bucket, layered)
+
+    def _captured(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], layered: bool) -> _Graph | None:
+        """The captured graph :meth:`forward` of ``seqs`` would replay, if any."""
+        if not seqs or not self.graphs_enabled or not seqs[0][0]:
+            return None
+        q = len(seqs[0][0])
+        if len(seqs) * q > self.graph_tokens or all(cached == 0 for _, _, cached in seqs):
+            return None
+        graph = self._graphs.get(self._key(len(seqs), q, max(c for _, _, c in seqs) + q, layered))
+        return graph if graph is not None and graph.graph is not None else None
+
     def replays(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], *, layered: bool = False) -> bool:
         """Whether :meth:`forward` of ``seqs`` would replay a graph already captured: no
         capture (which synchronizes the device) and no eager forward (whose allocations may),
         so nothing in it waits on the host for the GPU. A layered forward launched before its
         copies are queued must be such a one: a host wait there would wait for copies not
         yet queued."""
-        if not seqs or not self.graphs_enabled or not seqs[0][0]:
-            return False
-        q = len(seqs[0][0])
-        ctx = [cached + q for _, _, cached in seqs]
-        if len(seqs) * q > self.graph_tokens or all(cached == 0 for _, _, cached in seqs):
-            return False
-        key = (len(seqs), q, -(-max(ctx) // self.graph_bucket) * self.graph_bucket, layered)
-        graph = self._graphs.get(key)
-        return graph is not None and graph.graph is not None
+        return self._captured(seqs, layered) is not None
 
     def replay_target(
         self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], *, layered: bool = False
@@ -563,13 +569,10 @@ class ModelRunner:
         new tensor for its logits (``forward(..., into=)``), else None. Allocated before the
         copies it waits for are queued: an allocation may free cached memory, which
         synchronizes the device."""
-        if not self.replays(seqs, layered=layered):
+        graph = self._captured(seqs, layered)
+        if graph is None or graph.out is None:
             return None
-        q = len(seqs[0][0])
-        key = (len(seqs), q, -(-max(c + q for _, _, c in seqs) // self.graph_bucket) * self.graph_bucket, layered)
-        out = self._graphs[key].out
-        assert out is not None
-        return torch.empty_like(out)
+        return torch.empty_like(graph.out)
 
     def _forward(
         self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], layered: bool, into: torch.Tensor | None = None
@@ -586,7 +589,7 @@ class ModelRunner:
         write = torch.stack([self.slots(p, c - q, c) for (_, p, _), c in zip(seqs, ctx, strict=True)])
         b = len(seqs)
         short = b * q <= self.graph_tokens
-        key = (b, q, -(-max(ctx) // self.graph_bucket) * self.graph_bucket, layered)
+        key = self._key(b, q, max(ctx), layered)
         if all(cached == 0 for _, _, cached in seqs):  # a fresh prefill: no context to read
             as_tail = self.graph_short_prefills and short
             if as_tail and self.graphs_enabled and key not in self._graphs:
