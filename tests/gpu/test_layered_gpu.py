@@ -151,6 +151,8 @@ def test_layered_restore_waits_for_each_layer_and_matches_the_l1_hit(
     read a layer before it landed would give other logits. With value waits the forward is
     launched before the copies are queued, and every round leaves the flags at zero."""
     monkeypatch.setattr("hicache.engine.model.LAYER_SIGNALS", signals)
+    # the tiny model's 2 layers are 2 groups: a replay is launched once the first is queued
+    monkeypatch.setattr("hicache.engine.engine.FORWARD_AFTER_GROUPS", 1)
     e = Engine(
         "tiny",
         device="cuda",
