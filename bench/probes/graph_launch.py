@@ -25,7 +25,7 @@ def cycles_per_ms() -> float:
     torch.cuda._sleep(10_000_000)  # type: ignore[no-untyped-call]
     b.record()
     b.synchronize()
-    return 10_000_000 / a.elapsed_time(b)
+    return 10_000_000 / float(a.elapsed_time(b))
 
 
 def main() -> None:
