@@ -6,14 +6,17 @@ host phases of the request (admission, the restore's start, the H2D's queuing, t
 forward's launch, the wait, the first token) and, per CUDA stream, when its work began and
 ended and how long it sat idle in between (ms from the request's arrival). The forward's
 idle gaps say where it waited for the copy; the copy stream's, where the host fed it late.
-Traces go to ``--trace-dir`` when given. On a CPU, the host phases only.
+Traces go to ``--trace-dir`` when given; ``--gpu-only`` records CUDA activity and API calls only
+(less overhead on the host: times from the request's first CUDA call, no host phases). On a CPU, the host phases only.
 
-    python bench/probes/restore_timeline.py --model qwen3-8b --prefix-tokens 3500 --tiers l2
+    python bench/probes/restore_timeline.py [--profile N] [--trace-dir D] [--gpu-only] \\
+        --model qwen3-8b --prefix-tokens 3500 --tiers l2
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import gzip
 import json
 import statistics
@@ -57,8 +60,10 @@ def annotate(owner: Any, name: str, label: str) -> None:
 
 def summarize(trace: dict[str, Any], ttft_ms: float) -> dict[str, Any]:
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    request = next(e for e in events if e.get("name") == "probe: request")
-    t0 = float(request["ts"])
+    request = next((e for e in events if e.get("name") == "probe: request"), None)
+    api = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    # without the host's annotations (--gpu-only): from the request's first CUDA call
+    t0 = float(request["ts"] if request is not None else min(float(e["ts"]) for e in api))
     host: dict[str, list[float]] = {}
     for e in events:
         name = str(e.get("name", ""))
@@ -70,6 +75,11 @@ def summarize(trace: dict[str, Any], ttft_ms: float) -> dict[str, Any]:
             host[label][1] = end
             host[label][2] += float(e["dur"]) / 1e3
             host[label][3] += 1
+    calls: dict[str, list[float]] = {}
+    for e in api:
+        start, end = (float(e["ts"]) - t0) / 1e3, (float(e["ts"]) + float(e["dur"]) - t0) / 1e3
+        c = calls.setdefault(str(e["name"]), [start, end, 0.0, 0])
+        c[1], c[2], c[3] = end, c[2] + float(e["dur"]) / 1e3, c[3] + 1
     streams: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -95,7 +105,7 @@ def summarize(trace: dict[str, Any], ttft_ms: float) -> dict[str, Any]:
             "kinds": dict(kinds),
             "gaps": [(round(g, 3), round(at, 3)) for g, at in gaps[:4]],
         }
-    return {"ttft_ms": ttft_ms, "host": host, "streams": per_stream}
+    return {"ttft_ms": ttft_ms, "host": host, "calls": calls, "streams": per_stream}
 
 
 def main(argv: list[str]) -> None:
@@ -105,8 +115,11 @@ def main(argv: list[str]) -> None:
         count, argv = int(argv[1]), argv[2:]
     if argv[:1] == ["--trace-dir"]:
         trace_dir, argv = Path(argv[1]), argv[2:]
+    gpu_only = argv[:1] == ["--gpu-only"]  # no host-side recording: less overhead, no phases
+    argv = argv[gpu_only:]
     for (owner, name), label in HOST.items():
-        annotate(owner, name, label)
+        if not gpu_only:
+            annotate(owner, name, label)
     generate = Engine.generate
     seen = {"l2": 0}
     summaries: list[dict[str, Any]] = []
@@ -121,9 +134,9 @@ def main(argv: list[str]) -> None:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.synchronize()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        activities = ([] if gpu_only else [ProfilerActivity.CPU]) + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            with record_function("probe: request"):
+            with contextlib.nullcontext() if gpu_only else record_function("probe: request"):
                 out = generate(self, prompt, max_new_tokens)
             if cuda:
                 torch.cuda.synchronize()
@@ -143,6 +156,8 @@ def main(argv: list[str]) -> None:
         print(f"\nrestore {i}: TTFT {s['ttft_ms']:.2f} ms (unprofiled by the host's clock, profiled here)")
         for label, (start, end, busy, n) in sorted(s["host"].items(), key=lambda kv: kv[1][0]):
             print(f"  host {label:<16} {start:7.3f} .. {end:7.3f} ms  ({n} calls, {busy:.3f} ms inside)")
+        for name, (start, end, busy, n) in sorted(s["calls"].items(), key=lambda kv: -kv[1][2])[:8]:
+            print(f"  call {name:<24} {start:7.3f} .. {end:7.3f} ms  ({n} calls, {busy:.3f} ms inside)")
         for sid, st in sorted(s["streams"].items(), key=lambda kv: kv[1]["first"]):
             print(
                 f"  stream {sid:<4} {st['first']:7.3f} .. {st['last']:7.3f} ms  busy {st['busy']:6.3f}  "

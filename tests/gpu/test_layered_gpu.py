@@ -254,10 +254,10 @@ def test_a_failed_signalled_restore_consumes_its_round_and_the_next_is_exact(
     elif failure == "forward-raises":
         forward = e.runner._forward
 
-        def oom(seqs: Any, layered: bool) -> torch.Tensor:
+        def oom(seqs: Any, layered: bool, into: torch.Tensor | None = None) -> torch.Tensor:
             if layered:
                 raise torch.OutOfMemoryError("no memory for the layered forward")
-            return forward(seqs, layered)
+            return forward(seqs, layered, into)
 
         monkeypatch.setattr(e.runner, "_forward", oom)
         undo.append(lambda: monkeypatch.setattr(e.runner, "_forward", forward))
