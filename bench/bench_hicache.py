@@ -285,6 +285,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the first and last layer group's size of a layered restore (default: TransferEngine's)",
     )
     b.add_argument(
+        "--max-layer-group",
+        type=at_least(1),
+        default=None,
+        help="the largest layer group of a layered restore (default: TransferEngine's)",
+    )
+    b.add_argument(
         "--layer-waits",
         choices=("values", "events"),
         default=None,
@@ -312,8 +318,14 @@ def main(argv: list[str] | None = None) -> None:
     short = [p for p in args.prefix_tokens if p < args.page_size]
     if short:
         ap.error(f"--prefix-tokens {short[0]}: less than one page (--page-size {args.page_size}): nothing to restore")
+    first = transfer_engine.LAYER_GROUP if args.layer_group is None else args.layer_group
+    most = transfer_engine.MAX_LAYER_GROUP if args.max_layer_group is None else args.max_layer_group
+    if most < first:
+        ap.error(f"--max-layer-group {most} is smaller than the first layer group ({first})")
     if args.layer_group is not None:  # read as each row's engine builds its transfer engine
         transfer_engine.LAYER_GROUP = args.layer_group
+    if args.max_layer_group is not None:
+        transfer_engine.MAX_LAYER_GROUP = args.max_layer_group
     if args.layer_waits is not None:  # read as each row's engine builds its model runner
         model_runner.LAYER_SIGNALS = args.layer_waits == "values"
     if args.forward_after is not None:  # read at each signalled restore

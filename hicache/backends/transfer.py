@@ -326,7 +326,7 @@ class TransferEngine:
         faults: FaultInjector | None = None,
         min_run_bytes: int = 256 * 1024,
         layer_group: int | None = None,
-        max_layer_group: int = MAX_LAYER_GROUP,
+        max_layer_group: int | None = None,
         scatter_programs: int = 32,
         chunk_bytes: int = CHUNK_BYTES,
         chunks: int = CHUNKS,
@@ -340,6 +340,7 @@ class TransferEngine:
         d2d_min_bytes: int = D2D_MIN_BYTES,
     ) -> None:
         layer_group = LAYER_GROUP if layer_group is None else layer_group
+        max_layer_group = MAX_LAYER_GROUP if max_layer_group is None else max_layer_group
         if backend not in ("auto", "triton", "torch"):
             raise ConfigError(f"transfer backend must be auto, triton or torch; got {backend!r}")
         if l1.geometry != l2.geometry:
