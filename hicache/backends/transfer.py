@@ -125,7 +125,7 @@ D2D_RUNS = 2
 D2D_MIN_BYTES = 256 << 20
 # The first (and last) layer group's size, doubling to MAX_LAYER_GROUP in between.
 LAYER_GROUP = 1
-MAX_LAYER_GROUP = 8
+MAX_LAYER_GROUP = 3
 # torch.cuda's Stream and Event constructors are unannotated; use them through Any.
 _Stream: Any = torch.cuda.Stream
 _Event: Any = torch.cuda.Event
