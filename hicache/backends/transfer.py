@@ -123,7 +123,10 @@ D2D_RUNS = 2
 # and the straight path's lower host cost wins (350 tokens of Qwen3-8B: 1.12x its floor
 # straight, 1.20x by row DMAs; 3,500 tokens: 1.40x straight, 1.32x by row DMAs).
 D2D_MIN_BYTES = 256 << 20
-# The first (and last) layer group's size, doubling to MAX_LAYER_GROUP in between.
+# The first (and last) layer group's size, doubling to MAX_LAYER_GROUP in between. A layered
+# forward is faster per layer than the copy, so it catches up with it and then finishes each
+# group that group's compute after the group lands: small groups leave it less to do after
+# the copy. Groups of one or two layers cost the copy its rate (docs/RESULTS.md).
 LAYER_GROUP = 1
 MAX_LAYER_GROUP = 3
 # torch.cuda's Stream and Event constructors are unannotated; use them through Any.
