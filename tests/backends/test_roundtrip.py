@@ -192,13 +192,17 @@ def test_a_directions_first_enqueue_is_one_time_setup() -> None:
     assert d2h.timings.setup_s == d2h.timings.enqueue_s
 
 
-def test_layer_groups_are_small_at_both_ends() -> None:
+def test_layer_groups_are_small_at_both_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     g = KVGeometry(36, 2, 8, 4, torch.float32)
     l1, l2 = DevicePool.allocate(g, 8, "cpu"), HostPool(g, 8)
     groups = TransferEngine(l1, l2, "torch", layer_group=1, max_layer_group=8).layer_groups()
     assert [hi - lo for lo, hi in groups] == [1, 2, 4, 8, 6, 8, 4, 2, 1]
     assert groups[0][0] == 0 and groups[-1][1] == 36 and all(a[1] == b[0] for a, b in itertools.pairwise(groups))
     assert TransferEngine(l1, l2, "torch", layer_group=4, max_layer_group=4).layer_groups()[-2:] == [(28, 32), (32, 36)]
+    # the default: groups of at most 3 layers, read when the engine is built (the bench's flag)
+    assert [hi - lo for lo, hi in TransferEngine(l1, l2, "torch").layer_groups()] == [1, 2] + [3] * 10 + [2, 1]
+    monkeypatch.setattr("hicache.backends.transfer.MAX_LAYER_GROUP", 6)
+    assert max(hi - lo for lo, hi in TransferEngine(l1, l2, "torch").layer_groups()) == 6
     with pytest.raises(ConfigError, match="layer_group"):
         TransferEngine(l1, l2, "torch", layer_group=4, max_layer_group=2)
     # On CPU the H2D cannot order by layer: events are accepted (the count is checked), and
