@@ -10,12 +10,14 @@ A layered forward's graph waits once per layer group. Replays of a graph of 36 "
    record or write), as a copy would; events are recorded before the graph is launched (they
    must be), value and spin waits after it (the point of them). Prints the median time from
    the producer's last release to the graph's end (ms), against the same graph's work after
-   its last wait, satisfied: the difference is what releasing costs.
+   its last wait, satisfied: the difference is what releasing costs. A graph still waiting
+   after 5 s is reported (with how long its ``replay()`` held the host) and drained.
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -83,6 +85,25 @@ def main() -> None:
     pending(side, body, flags, events)
 
 
+DEADLINE_S = 5.0
+
+
+def watchdog(flags: torch.Tensor) -> tuple[threading.Timer, list[bool]]:
+    """A timer that, after :data:`DEADLINE_S`, sets every flag from a stream of its own
+    (nothing queued ahead of it) so a stuck graph drains, even while the host is held inside
+    ``replay()``; its list says whether it fired."""
+    fired: list[bool] = []
+
+    def unblock() -> None:
+        fired.append(True)
+        with torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]
+            flags.fill_(1)
+
+    timer = threading.Timer(DEADLINE_S, unblock)
+    timer.start()
+    return timer, fired
+
+
 def pending(side: torch.cuda.Stream, body: object, flags: torch.Tensor, events: list[Any]) -> None:
     """Section 2 of the module docstring."""
     producer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -105,7 +126,7 @@ def pending(side: torch.cuda.Stream, body: object, flags: torch.Tensor, events: 
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=side):
             body(kind)  # type: ignore[operator]
-        tails = []
+        tails: list[float] = []
         for _ in range(20):
             flags.zero_()
             torch.cuda.synchronize()
@@ -113,14 +134,23 @@ def pending(side: torch.cuda.Stream, body: object, flags: torch.Tensor, events: 
             end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             if kind == "event":
                 release(kind, last)
+            timer, fired = watchdog(flags)
+            t0 = time.perf_counter()
             with torch.cuda.stream(side):
                 g.replay()
                 end.record(side)
+            held = time.perf_counter() - t0
             if kind != "event":
                 release(kind, last)
             end.synchronize()
+            timer.cancel()
+            if fired:
+                print(f"pending {kind:6s} still waiting after {DEADLINE_S:.0f} s (replay() took {held * 1e3:.1f} ms)")
+                torch.cuda.synchronize()
+                break
             tails.append(last.elapsed_time(end))
-        print(f"pending {kind:6s} last release -> graph end median {statistics.median(tails):.3f} ms")
+        if tails:
+            print(f"pending {kind:6s} last release -> graph end median {statistics.median(tails):.3f} ms")
     flags.fill_(1)
 
 
