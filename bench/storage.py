@@ -6,7 +6,8 @@ Qwen3-8B page geometry (2.25 MiB per page). Three parts, all in one run:
   GiB/s end to end (submit to completed ticket), cold (page cache dropped with ``fsync`` +
   ``posix_fadvise(DONTNEED)``: needs no privilege, and on O_DIRECT the cache is bypassed
   anyway) and warm, each with its ratio to one plain ``preadv`` / ``pwrite`` loop over the
-  same byte range of the same file into the same host buffer.
+  same byte range of the same file into the same host buffer (the two timed in turn, the
+  ratio the median of the turns': :func:`paired`).
 - ``dir`` store: the same against a plain write/read of one file per page.
 - caller: the scheduler thread's time per page inside ``read``/``write`` and the
   ``poll`` calls until completion (wall and CPU), with 1 ms of Python work between polls as
@@ -65,6 +66,25 @@ def timed(fn: Callable[[], Any], reps: int, before: Callable[[], None] | None = 
     return statistics.median(samples)
 
 
+def paired(
+    plain: Callable[[], Any],
+    store: Callable[[], Any],
+    reps: int,
+    plain_before: Callable[[], None] | None = None,
+    store_before: Callable[[], None] | None = None,
+) -> tuple[float, float, float]:
+    """Median seconds of ``plain`` and of ``store``, taken in turn (plain, store, plain, ...),
+    and the median of each turn's ratio plain / store: a disk whose rate drifts during the
+    run (burst credits, a neighbour) moves both sides of a turn alike, where two blocks of
+    samples one after the other would each see a different disk."""
+    plain_s, store_s = [], []
+    for _ in range(reps):
+        plain_s.append(timed(plain, 1, plain_before))
+        store_s.append(timed(store, 1, store_before))
+    ratios = [p / s for p, s in zip(plain_s, store_s, strict=True)]
+    return statistics.median(plain_s), statistics.median(store_s), statistics.median(ratios)
+
+
 def plain_read(fd: int, view: memoryview, offset: int = 0) -> None:
     done = 0
     while done < len(view):
@@ -96,13 +116,11 @@ def measure_file(backend: StorageBackend, mode: str, n: int, reps: int) -> dict[
     def s2h() -> None:
         assert backend.read(pages, pages).wait()
 
-    row["plain_write_gibs"] = nbytes / GIB / timed(plain_w, reps)
-    row["h2s_gibs"] = nbytes / GIB / timed(h2s, reps)
-    row["h2s_ratio"] = row["h2s_gibs"] / row["plain_write_gibs"]
+    plain_s, store_s, row["h2s_ratio"] = paired(plain_w, h2s, reps)
+    row["plain_write_gibs"], row["h2s_gibs"] = nbytes / GIB / plain_s, nbytes / GIB / store_s
     for temp, before in (("cold", lambda: drop_cache(fd)), ("warm", None)):
-        row[f"plain_read_{temp}_gibs"] = nbytes / GIB / timed(lambda: plain_read(fd, view), reps, before)
-        row[f"s2h_{temp}_gibs"] = nbytes / GIB / timed(s2h, reps, before)
-        row[f"s2h_{temp}_ratio"] = row[f"s2h_{temp}_gibs"] / row[f"plain_read_{temp}_gibs"]
+        plain_s, store_s, row[f"s2h_{temp}_ratio"] = paired(lambda: plain_read(fd, view), s2h, reps, before, before)
+        row[f"plain_read_{temp}_gibs"], row[f"s2h_{temp}_gibs"] = nbytes / GIB / plain_s, nbytes / GIB / store_s
     print(f"  file {mode} {n} pages done", flush=True)
     return row
 
@@ -163,9 +181,8 @@ def measure_dir(root: Path, host: HostPool, n: int, reps: int) -> dict[str, Any]
         assert s.read(pages, pages, keys).wait()
 
     for temp, plain_before, store_before in (("cold", drop(names), drop(files)), ("warm", None, None)):
-        row[f"plain_read_{temp}_gibs"] = nbytes / GIB / timed(plain_r, reps, plain_before)
-        row[f"s2h_{temp}_gibs"] = nbytes / GIB / timed(s2h, reps, store_before)
-        row[f"s2h_{temp}_ratio"] = row[f"s2h_{temp}_gibs"] / row[f"plain_read_{temp}_gibs"]
+        plain_s, store_s, row[f"s2h_{temp}_ratio"] = paired(plain_r, s2h, reps, plain_before, store_before)
+        row[f"plain_read_{temp}_gibs"], row[f"s2h_{temp}_gibs"] = nbytes / GIB / plain_s, nbytes / GIB / store_s
     s.close()
     for p in root.iterdir():
         shutil.rmtree(p)

@@ -195,3 +195,30 @@ def test_bench_hicache_warns_about_the_engine_flags_it_sets_itself() -> None:
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert "warning: --num-pages has no effect" in run.stderr
     assert "warning: --hicache-policy has no effect: policy always forces each tier" in run.stderr
+
+
+def test_storage_bench_times_plain_and_store_in_turn_and_takes_the_median_turn_ratio(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import storage
+
+    clock = [0.0]
+    calls: list[str] = []
+    # the disk's rate drifts: turn k's plain read takes plain_s[k], the store's store_s[k]
+    plain_s, store_s = [1.0, 2.0, 3.0, 4.0, 5.0], [3.0, 3.0, 3.0, 5.0, 5.0]
+
+    def run(name: str, times: list[float]) -> None:
+        calls.append(name)
+        clock[0] += times[calls.count(name) - 1]
+
+    monkeypatch.setattr(storage.time, "perf_counter", lambda: clock[0])
+    got = storage.paired(
+        lambda: run("plain", plain_s),
+        lambda: run("store", store_s),
+        5,
+        lambda: calls.append("drop plain"),
+        lambda: calls.append("drop store"),
+    )
+    assert calls[:6] == ["drop plain", "plain", "drop store", "store", "drop plain", "plain"]
+    # the medians, and the median of the turns' ratios (1/3, 2/3, 1, 0.8, 1), not 3.0 / 3.0
+    assert got == (3.0, 3.0, 0.8)
