@@ -13,6 +13,7 @@ attention functions. Token slots are flat: slot ``s`` is page ``s // page_size``
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import warnings
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -584,13 +586,25 @@ class ModelRunner:
         if q == 0 or any(len(s[0]) != q for s in seqs):
             raise ConfigError("a batch needs the same, non-zero number of new tokens per sequence")
         ctx = [cached + q for _, _, cached in seqs]
-        ids = torch.tensor([list(s[0]) for s in seqs], dtype=torch.int64)
-        pos = torch.stack([torch.arange(c - q, c) for c in ctx])
-        write = torch.stack([self.slots(p, c - q, c) for (_, p, _), c in zip(seqs, ctx, strict=True)])
         b = len(seqs)
         short = b * q <= self.graph_tokens
         key = self._key(b, q, max(ctx), layered)
-        if all(cached == 0 for _, _, cached in seqs):  # a fresh prefill: no context to read
+        fresh = all(cached == 0 for _, _, cached in seqs)  # a fresh prefill: no context to read
+        if not fresh and self.graphs_enabled and short and self.pool.device.type == "cuda":
+            # NOTE: the common case (decode steps, restored tails) builds its inputs straight
+            # into the pinned staging buffer: a layered forward's launch is on its restore's
+            # critical path, and a dozen small torch ops cost more host time than the replay.
+            self._check_pages(seqs, ctx)
+            graph = self._graph(*key)
+            if graph is not None:
+                self._upload_flat(graph.flat, functools.partial(_graph_inputs, seqs, ctx, q, graph.t, self.page_size))
+                logits = self._replay(graph, into)
+                if logits is not None:
+                    return logits
+        ids = torch.tensor([list(s[0]) for s in seqs], dtype=torch.int64)
+        pos = torch.stack([torch.arange(c - q, c) for c in ctx])
+        write = torch.stack([self.slots(p, c - q, c) for (_, p, _), c in zip(seqs, ctx, strict=True)])
+        if fresh:
             as_tail = self.graph_short_prefills and short
             if as_tail and self.graphs_enabled and key not in self._graphs:
                 as_tail = len(self._fresh_keys) < self.max_graphs // 4  # room for a new length
@@ -611,21 +625,37 @@ class ModelRunner:
         ctx_t = torch.tensor(ctx, dtype=torch.int64)
         if graph is not None:
             self._upload(graph.flat, ids, pos, write, read, ctx_t)
-            self.captured_last = graph.graph is None
-            try:
-                logits = graph.run(into if graph.graph is not None else None)
-                self.graph_replays += 1
+            logits = self._replay(graph, into)
+            if logits is not None:
                 return logits
-            except RuntimeError as exc:  # a capture transformers' code does not allow
-                if graph.graph is not None:
-                    raise
-                warnings.warn(f"CUDA graph capture failed, running eagerly from now on: {exc}", stacklevel=2)
-                self.graphs_enabled = False
-                self._graphs.clear()
         self.eager_forwards += 1
         ids_d, pos_d, write_d, read_d, ctx_d = self._upload(None, ids, pos, write, read, ctx_t, fresh=layered)
         batch = self.batch(write_d, read_d, ctx_d, unpadded_decode=q == 1 and min(ctx) == t, layered=layered)
         return _logits(self.net, ids_d, pos_d, batch)
+
+    def _replay(self, graph: _Graph, into: torch.Tensor | None) -> torch.Tensor | None:
+        """Replay ``graph`` (capturing it first if needed) on the inputs in its ``flat``; its
+        logits, or None where the capture failed (graphs are off from then on: the caller
+        runs eagerly)."""
+        self.captured_last = graph.graph is None
+        try:
+            logits = graph.run(into if graph.graph is not None else None)
+            self.graph_replays += 1
+            return logits
+        except RuntimeError as exc:  # a capture transformers' code does not allow
+            if graph.graph is not None:
+                raise
+            warnings.warn(f"CUDA graph capture failed, running eagerly from now on: {exc}", stacklevel=3)
+            self.graphs_enabled = False
+            self._graphs.clear()
+            return None
+
+    def _check_pages(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], ctx: Sequence[int]) -> None:
+        """The error :meth:`slots` raises where a sequence has too few pages for its tokens."""
+        ps, q = self.page_size, len(seqs[0][0])
+        for (_, pages, _), c in zip(seqs, ctx, strict=True):
+            if -(-c // ps) > len(pages):
+                raise ConfigError(f"tokens [{c - q}, {c}) need {-(-c // ps)} pages, the sequence has {len(pages)}")
 
     def batch(
         self,
@@ -646,6 +676,22 @@ class ModelRunner:
             mask = visible(ctx, q, read.shape[1])
         ready = self.layer_events if layered and self.layer_events else None
         return PagedBatch(self.pool, write, read, mask, self.attention, ctx, layer_ready=ready)
+
+    def _upload_flat(self, dst: torch.Tensor, fill: Any) -> None:
+        """``fill(host)`` writes ``dst.numel()`` int64 values into ``host`` (a numpy view of a
+        pinned staging buffer), which then go to ``dst`` as :meth:`_upload` sends its parts."""
+        n = dst.numel()
+        k, self._turn = self._turn, self._turn ^ 1
+        self._copied[k].synchronize()  # this buffer's last upload has read it
+        host = self._hosts[k]
+        if host is None or host.numel() < n:
+            host = self._hosts[k] = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True)
+        fill(host.numpy()[:n])
+        if self._upload_kernel:  # not a DMA: see kernels.upload_triton (checked in _warm_upload)
+            kernels.upload_unchecked(dst, host[:n])
+        else:
+            dst.copy_(host[:n], non_blocking=True)
+        self._copied[k].record()
 
     def _upload(self, dst: torch.Tensor | None, *parts: torch.Tensor, fresh: bool = False) -> list[torch.Tensor]:
         """Copy ``parts`` (CPU int64) to the device in one transfer through a reused pinned
@@ -721,6 +767,32 @@ def _logits(net: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, batch: P
     out = net(input_ids=ids, position_ids=pos, use_cache=False, hicache_batch=batch, logits_to_keep=1)
     logits: torch.Tensor = out.logits[:, -1]
     return logits
+
+
+def _graph_inputs(
+    seqs: Sequence[tuple[Sequence[int], Sequence[int], int]],
+    ctx: Sequence[int],
+    q: int,
+    t: int,
+    page_size: int,
+    out: np.ndarray[Any, Any],
+) -> None:
+    """A graph's flat inputs into ``out``: ids ``[b, q]``, positions ``[b, q]``, write slots
+    ``[b, q]``, read slots ``[b, t]`` (padded with the slot of the last token, which the
+    forward has just written: never NaN) and context lengths ``[b]`` (:class:`_Graph`)."""
+    b = len(seqs)
+    ids, pos, write, read, lens = np.split(out, np.cumsum([b * q, b * q, b * q, b * t]))
+    ids, pos, write, read = ids.reshape(b, q), pos.reshape(b, q), write.reshape(b, q), read.reshape(b, t)
+    offsets = np.arange(page_size, dtype=np.int64)
+    for i, ((tokens, pages, _), c) in enumerate(zip(seqs, ctx, strict=True)):
+        used = np.asarray(pages[: -(-c // page_size)], dtype=np.int64)
+        slots = (used[:, None] * page_size + offsets).reshape(-1)
+        ids[i] = tokens
+        pos[i] = np.arange(c - q, c, dtype=np.int64)
+        write[i] = slots[c - q : c]
+        read[i, :c] = slots[:c]
+        read[i, c:] = slots[c - 1]
+    lens[:] = ctx
 
 
 class _Graph:

@@ -8,6 +8,7 @@ import os
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,15 @@ from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
 from hicache.engine.attention import HAVE_TRITON
 from hicache.engine.cli import add_engine_args
 from hicache.engine.engine import Output, SeqState
-from hicache.engine.model import AttentionImpl, PagedBatch, _folded, fold_mask, resolve_attention, visible
+from hicache.engine.model import (
+    AttentionImpl,
+    PagedBatch,
+    _folded,
+    _graph_inputs,
+    fold_mask,
+    resolve_attention,
+    visible,
+)
 from hicache.errors import ConfigError, MisuseError
 from hicache.spec.model import Direction, Tier
 
@@ -713,3 +722,46 @@ def test_run_returns_the_outputs_of_requests_aborted_before_it() -> None:
     outs = e.run()
     assert sorted(o.id for o in outs) == rids and all(o.error == "aborted" for o in outs)
     assert e.run() == [] and e.step() == []
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_graph_inputs_built_in_place_match_the_slots_of_each_sequence(page_size: int) -> None:
+    """A replayed graph's inputs (written straight into the pinned staging buffer) are the
+    ids, positions, write slots, read slots padded with the last token's slot, and context
+    lengths that the eager path builds from :meth:`ModelRunner.slots`, for contexts that end
+    anywhere in a page, with pages in any order and spare pages past the context."""
+    net = build_model("tiny")
+    run = ModelRunner(net, DevicePool.allocate(kv_geometry(net, page_size), 64, "cpu"))
+    rng = random.Random(page_size)
+    for q in (1, 3):
+        for cached in (0, 1, page_size - 1, page_size, 2 * page_size + 1, 37):
+            seqs = []
+            for _ in range(3):
+                c = cached + q + rng.randrange(3)  # contexts differ within a batch
+                pages = rng.sample(range(64), -(-c // page_size) + rng.randrange(2))
+                seqs.append(([rng.randrange(1000) for _ in range(q)], pages, c - q))
+            ctx = [c + q for _, _, c in seqs]
+            t = max(ctx) + 5  # a graph's bucket pads the reads
+            b = len(seqs)
+            out = np.full(3 * b * q + b * t + b, -1, dtype=np.int64)
+            _graph_inputs(seqs, ctx, q, t, page_size, out)
+            ids = torch.tensor([s[0] for s in seqs])
+            pos = torch.stack([torch.arange(c - q, c) for c in ctx])
+            write = torch.stack([run.slots(p, c - q, c) for (_, p, _), c in zip(seqs, ctx, strict=True)])
+            read = torch.empty(b, t, dtype=torch.int64)
+            for i, ((_, p, _), c) in enumerate(zip(seqs, ctx, strict=True)):
+                read[i, :c] = run.slots(p, 0, c)
+                read[i, c:] = write[i, -1]
+            want = torch.cat([ids.reshape(-1), pos.reshape(-1), write.reshape(-1), read.reshape(-1), torch.tensor(ctx)])
+            assert out.tolist() == want.tolist(), (q, cached)
+
+
+def test_too_few_pages_for_a_graph_replay_raise_what_the_eager_path_raises() -> None:
+    net = build_model("tiny")
+    run = ModelRunner(net, DevicePool.allocate(kv_geometry(net, 4), 16, "cpu"))
+    seqs = [([1, 2], [3, 4], 7)]  # 9 tokens need 3 pages of 4
+    with pytest.raises(ConfigError) as eager:
+        run.slots([3, 4], 7, 9)
+    with pytest.raises(ConfigError) as checked:
+        run._check_pages(seqs, [9])
+    assert str(checked.value) == str(eager.value)
