@@ -211,7 +211,7 @@ def test_storage_bench_times_plain_and_store_in_turn_and_takes_the_median_turn_r
         calls.append(name)
         clock[0] += times[calls.count(name) - 1]
 
-    monkeypatch.setattr(storage.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr("storage.time.perf_counter", lambda: clock[0])
     got = storage.paired(
         lambda: run("plain", plain_s),
         lambda: run("store", store_s),

@@ -349,6 +349,9 @@ class ModelRunner:
         self._turn = 0
         self._dev: torch.Tensor | None = None
         self._upload_kernel = False  # uploads by kernel (kernels.upload_triton), not by DMA
+        # Graph replays write their inputs into the staging buffer (numpy) on CUDA; the CPU
+        # tests switch it on with stand-in events to run that path without a GPU.
+        self._staged_inputs = self._pinned = pool.device.type == "cuda"
         self.attention: AttentionImpl = attention
         cuda = pool.device.type == "cuda"
         self._backends = _NO_CUDNN if cuda and cudnn != "on" else None  # eager forwards
@@ -590,17 +593,20 @@ class ModelRunner:
         short = b * q <= self.graph_tokens
         key = self._key(b, q, max(ctx), layered)
         fresh = all(cached == 0 for _, _, cached in seqs)  # a fresh prefill: no context to read
-        if not fresh and self.graphs_enabled and short and self.pool.device.type == "cuda":
+        if not fresh and self.graphs_enabled and short and self._staged_inputs:
             # NOTE: the common case (decode steps, restored tails) builds its inputs straight
             # into the pinned staging buffer: a layered forward's launch is on its restore's
             # critical path, and a dozen small torch ops cost more host time than the replay.
-            self._check_pages(seqs, ctx)
-            graph = self._graph(*key)
-            if graph is not None:
-                self._upload_flat(graph.flat, functools.partial(_graph_inputs, seqs, ctx, q, graph.t, self.page_size))
-                logits = self._replay(graph, into)
-                if logits is not None:
-                    return logits
+            tokens = np.asarray([list(s[0]) for s in seqs])
+            if tokens.dtype.kind in "iu" and tokens.shape == (b, q):  # else the path below raises as ever
+                self._check_pages(seqs, ctx)
+                graph = self._graph(*key)
+                if graph is not None:
+                    fill = functools.partial(_graph_inputs, tokens, seqs, ctx, graph.t, self.page_size)
+                    self._upload_flat(graph.flat, fill)
+                    logits = self._replay(graph, into)
+                    if logits is not None:
+                        return logits
         ids = torch.tensor([list(s[0]) for s in seqs], dtype=torch.int64)
         pos = torch.stack([torch.arange(c - q, c) for c in ctx])
         write = torch.stack([self.slots(p, c - q, c) for (_, p, _), c in zip(seqs, ctx, strict=True)])
@@ -685,7 +691,7 @@ class ModelRunner:
         self._copied[k].synchronize()  # this buffer's last upload has read it
         host = self._hosts[k]
         if host is None or host.numel() < n:
-            host = self._hosts[k] = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True)
+            host = self._hosts[k] = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=self._pinned)
         fill(host.numpy()[:n])
         if self._upload_kernel:  # not a DMA: see kernels.upload_triton (checked in _warm_upload)
             kernels.upload_unchecked(dst, host[:n])
@@ -770,24 +776,25 @@ def _logits(net: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, batch: P
 
 
 def _graph_inputs(
+    tokens: np.ndarray[Any, Any],
     seqs: Sequence[tuple[Sequence[int], Sequence[int], int]],
     ctx: Sequence[int],
-    q: int,
     t: int,
     page_size: int,
     out: np.ndarray[Any, Any],
 ) -> None:
-    """A graph's flat inputs into ``out``: ids ``[b, q]``, positions ``[b, q]``, write slots
-    ``[b, q]``, read slots ``[b, t]`` (padded with the slot of the last token, which the
-    forward has just written: never NaN) and context lengths ``[b]`` (:class:`_Graph`)."""
-    b = len(seqs)
+    """A graph's flat inputs into ``out``: ids ``[b, q]`` (``tokens``, integers), positions
+    ``[b, q]``, write slots ``[b, q]``, read slots ``[b, t]`` (padded with the slot of the last
+    token, which the forward has just written: never NaN) and context lengths ``[b]``
+    (:class:`_Graph`); ``seqs`` give each sequence's pages."""
+    b, q = tokens.shape
     ids, pos, write, read, lens = np.split(out, np.cumsum([b * q, b * q, b * q, b * t]))
     ids, pos, write, read = ids.reshape(b, q), pos.reshape(b, q), write.reshape(b, q), read.reshape(b, t)
     offsets = np.arange(page_size, dtype=np.int64)
-    for i, ((tokens, pages, _), c) in enumerate(zip(seqs, ctx, strict=True)):
+    ids[:] = tokens
+    for i, ((_, pages, _), c) in enumerate(zip(seqs, ctx, strict=True)):
         used = np.asarray(pages[: -(-c // page_size)], dtype=np.int64)
         slots = (used[:, None] * page_size + offsets).reshape(-1)
-        ids[i] = tokens
         pos[i] = np.arange(c - q, c, dtype=np.int64)
         write[i] = slots[c - q : c]
         read[i, :c] = slots[:c]

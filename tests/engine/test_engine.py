@@ -744,7 +744,7 @@ def test_graph_inputs_built_in_place_match_the_slots_of_each_sequence(page_size:
             t = max(ctx) + 5  # a graph's bucket pads the reads
             b = len(seqs)
             out = np.full(3 * b * q + b * t + b, -1, dtype=np.int64)
-            _graph_inputs(seqs, ctx, q, t, page_size, out)
+            _graph_inputs(np.array([s[0] for s in seqs]), seqs, ctx, t, page_size, out)
             ids = torch.tensor([s[0] for s in seqs])
             pos = torch.stack([torch.arange(c - q, c) for c in ctx])
             write = torch.stack([run.slots(p, c - q, c) for (_, p, _), c in zip(seqs, ctx, strict=True)])
@@ -765,3 +765,82 @@ def test_too_few_pages_for_a_graph_replay_raise_what_the_eager_path_raises() -> 
     with pytest.raises(ConfigError) as checked:
         run._check_pages(seqs, [9])
     assert str(checked.value) == str(eager.value)
+
+
+class _NoEvent:
+    """A stand-in for the staging buffers' CUDA events (CPU: the upload is done at once)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+
+def test_graph_replays_with_staged_inputs_match_eager_forwards_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay path that writes a graph's inputs into the staging buffer (CUDA only) run
+    on CPU: a "graph" that runs its body on the inputs in its ``flat`` must give the eager
+    forward's logits for decode steps and short extends of batches whose contexts differ,
+    honour ``into``, and leave no graph behind for a batch whose tokens are not ints."""
+    import hicache.engine.model as model
+
+    def run(self: Any, into: torch.Tensor | None = None) -> torch.Tensor:
+        if self.graph is None:
+            self.graph = object()  # "captured": later runs are replays
+        out = self._body()
+        self.out = out
+        return out.clone() if into is None else into.copy_(out)
+
+    monkeypatch.setattr(model._Graph, "run", run)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    net = build_model("tiny")
+    runners = []
+    for graphs in (True, False):
+        pool = DevicePool.allocate(kv_geometry(net, 4), 96, "cpu")
+        torch.manual_seed(0)
+        pool.buffer.normal_()
+        r = ModelRunner(net, pool, max_graphs=64, graph_bucket=16)
+        r.graphs_enabled = graphs
+        runners.append(r)
+    staged, eager = runners
+    staged._staged_inputs = True
+    staged._copied = [_NoEvent(), _NoEvent()]
+    flat = staged._upload_flat
+    uploads: list[int] = []
+
+    def counted(dst: torch.Tensor, fill: Any) -> None:
+        uploads.append(dst.numel())
+        flat(dst, fill)
+
+    monkeypatch.setattr(staged, "_upload_flat", counted)
+    rng = random.Random(0)
+    seqs: list[tuple[list[int], list[int]]] = []  # pages, tokens so far
+    for i in range(4):  # fresh prefills (not staged): each sequence's first tokens
+        n, pages = rng.randrange(3, 12), rng.sample(range(i * 24, i * 24 + 24), 24)
+        toks = [rng.randrange(200) for _ in range(n)]
+        for r in runners:
+            r.forward([(toks, pages, 0)])
+        seqs.append((pages, [n]))
+    vocab = int(net.config.vocab_size)  # type: ignore[union-attr, arg-type]
+    replays = 0
+    for step in range(30):
+        q = 1 if step % 3 else 2
+        batch: list[tuple[list[int], list[int], int]] = []
+        for j in rng.sample(range(4), rng.randrange(1, 5)):
+            pages, length = seqs[j]
+            batch.append(([rng.randrange(200) for _ in range(q)], pages, length[0]))
+            length[0] += q
+        into = torch.empty(len(batch), vocab) if step % 5 == 4 else None
+        before: int = staged.graph_replays
+        got, want = staged.forward(batch, into=into), eager.forward(batch)
+        replays += staged.graph_replays - before
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        if into is not None and staged.graph_replays > before and not staged.captured_last:
+            assert got.data_ptr() == into.data_ptr()
+    assert replays == 30 and staged.eager_forwards == eager.eager_forwards - 30 and len(uploads) == 30
+    made = len(staged._graphs)
+    pages, length = seqs[0]
+    bad: Any = [None]
+    with pytest.raises((TypeError, ValueError, RuntimeError)):
+        staged.forward([(bad, pages, length[0] + 40)])  # a new shape: its graph must not be made
+    assert len(staged._graphs) == made
