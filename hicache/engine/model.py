@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import operator
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -504,7 +505,9 @@ class ModelRunner:
         on ``layer_events[l]``, which the transfer records once layer ``l`` has landed (on CPU
         the events are empty: an ordinary forward); the logits are not ready until
         :meth:`join_layered`. ``into`` (from :meth:`replay_target`): where a graph replay puts
-        its logits, so the forward allocates nothing."""
+        its logits, so the forward allocates nothing. Raises ConfigError, before anything
+        runs, for a page it would touch outside the pool or a cached length that is not an
+        int >= 0."""
         if self.closed:
             raise MisuseError("forward on a closed model runner")
         with contextlib.nullcontext() if self._backends is None else sdpa_kernel(self._backends):
@@ -588,6 +591,7 @@ class ModelRunner:
         q = len(seqs[0][0])
         if q == 0 or any(len(s[0]) != q for s in seqs):
             raise ConfigError("a batch needs the same, non-zero number of new tokens per sequence")
+        self._check_bounds(seqs, q)
         ctx = [cached + q for _, _, cached in seqs]
         b = len(seqs)
         short = b * q <= self.graph_tokens
@@ -655,6 +659,22 @@ class ModelRunner:
             self.graphs_enabled = False
             self._graphs.clear()
             return None
+
+    def _check_bounds(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], q: int) -> None:
+        """Each cached length an integer >= 0 and each page the forward touches in the pool:
+        a page out of range would be read and written outside the pool on the GPU."""
+        ps, pool_pages = self.page_size, self.pool.num_pages
+        for _, pages, cached in seqs:
+            try:
+                valid = not isinstance(cached, bool) and operator.index(cached) >= 0
+            except TypeError:
+                valid = False
+            if not valid:
+                raise ConfigError(f"a cached length must be an int >= 0, got {cached!r}")
+            used = pages[: -(-(cached + q) // ps)]
+            if len(used) and not (min(used) >= 0 and max(used) < pool_pages):
+                bad = next(p for p in used if not 0 <= p < pool_pages)
+                raise ConfigError(f"page {bad!r} is not in the pool's [0, {pool_pages})")
 
     def _check_pages(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], ctx: Sequence[int]) -> None:
         """The error :meth:`slots` raises where a sequence has too few pages for its tokens."""

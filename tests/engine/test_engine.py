@@ -6,6 +6,7 @@ import argparse
 import itertools
 import os
 import random
+import re
 from typing import Any
 
 import numpy as np
@@ -844,3 +845,29 @@ def test_graph_replays_with_staged_inputs_match_eager_forwards_on_cpu(monkeypatc
     with pytest.raises((TypeError, ValueError, RuntimeError)):
         staged.forward([(bad, pages, length[0] + 40)])  # a new shape: its graph must not be made
     assert len(staged._graphs) == made
+
+
+@pytest.mark.parametrize(
+    ("pages", "cached", "says"),
+    [
+        ([3, 4, 16], 8, "page 16 is not in the pool's [0, 16)"),
+        ([3, -1, 5], 8, "page -1 is not in the pool's [0, 16)"),
+        ([3, 4, 5], -4, "a cached length must be an int >= 0, got -4"),
+        ([3, 4, 5], 2.0, "a cached length must be an int >= 0, got 2.0"),
+        ([3, 4, 5], True, "a cached length must be an int >= 0, got True"),
+    ],
+)
+def test_a_forward_refuses_pages_outside_the_pool_and_bad_cached_lengths(
+    pages: list[int], cached: Any, says: str
+) -> None:
+    """Before anything runs: a page past the pool would be read and written outside it on the
+    GPU. Spare pages past the context are not the forward's business."""
+    net = build_model("tiny")
+    pool = DevicePool.allocate(kv_geometry(net, 4), 16, "cpu")
+    pool.buffer.normal_()
+    before = pool.buffer.clone()
+    run = ModelRunner(net, pool)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        run.forward([([1, 2], pages, cached)])
+    assert torch.equal(pool.buffer, before)
+    run.forward([([1, 2], [3, 4, 5, 99], 8)])  # page 99 lies past the 10 tokens: unused
