@@ -26,21 +26,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/probes/
 import bench_hicache
+from restore_timeline import HOST  # the same host phases as the profiled timeline
 
 from hicache.backends import dma
-from hicache.backends.transfer import TransferEngine
 from hicache.engine.engine import Engine
-
-HOST = {
-    (Engine, "_admit"): "admit",
-    (Engine, "_start_restore"): "start restore",
-    (TransferEngine, "h2d"): "h2d call",
-    (TransferEngine, "flush"): "flush",
-    (Engine, "_launch_forward"): "launch forward",
-    (Engine, "_restored"): "restored",
-    (Engine, "_first_token"): "first token",
-}
 
 
 class Request:
