@@ -591,7 +591,7 @@ class ModelRunner:
         q = len(seqs[0][0])
         if q == 0 or any(len(s[0]) != q for s in seqs):
             raise ConfigError("a batch needs the same, non-zero number of new tokens per sequence")
-        self._check_bounds(seqs, q)
+        self._check_cached(seqs)
         ctx = [cached + q for _, _, cached in seqs]
         b = len(seqs)
         short = b * q <= self.graph_tokens
@@ -604,13 +604,19 @@ class ModelRunner:
             tokens = np.asarray([list(s[0]) for s in seqs])
             if tokens.dtype.kind in "iu" and tokens.shape == (b, q):  # else the path below raises as ever
                 self._check_pages(seqs, ctx)
+                ps = self.page_size
+                used = [np.asarray(p[: -(-c // ps)], dtype=np.int64) for (_, p, _), c in zip(seqs, ctx, strict=True)]
+                for held in used:  # NOTE: vectorized: this is every decode step's path
+                    if held.min() < 0 or held.max() >= self.pool.num_pages:
+                        self._check_range(seqs, q)  # raises, naming the page
                 graph = self._graph(*key)
                 if graph is not None:
-                    fill = functools.partial(_graph_inputs, tokens, seqs, ctx, graph.t, self.page_size)
+                    fill = functools.partial(_graph_inputs, tokens, used, ctx, graph.t, ps)
                     self._upload_flat(graph.flat, fill)
                     logits = self._replay(graph, into)
                     if logits is not None:
                         return logits
+        self._check_range(seqs, q)
         ids = torch.tensor([list(s[0]) for s in seqs], dtype=torch.int64)
         pos = torch.stack([torch.arange(c - q, c) for c in ctx])
         write = torch.stack([self.slots(p, c - q, c) for (_, p, _), c in zip(seqs, ctx, strict=True)])
@@ -660,17 +666,21 @@ class ModelRunner:
             self._graphs.clear()
             return None
 
-    def _check_bounds(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], q: int) -> None:
-        """Each cached length an integer >= 0 and each page the forward touches in the pool:
-        a page out of range would be read and written outside the pool on the GPU."""
-        ps, pool_pages = self.page_size, self.pool.num_pages
-        for _, pages, cached in seqs:
+    def _check_cached(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]]) -> None:
+        """Each cached length an integer >= 0."""
+        for _, _, cached in seqs:
             try:
                 valid = not isinstance(cached, bool) and operator.index(cached) >= 0
             except TypeError:
                 valid = False
             if not valid:
                 raise ConfigError(f"a cached length must be an int >= 0, got {cached!r}")
+
+    def _check_range(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], q: int) -> None:
+        """Each page the forward touches in the pool: a page out of range would be read and
+        written outside the pool on the GPU."""
+        ps, pool_pages = self.page_size, self.pool.num_pages
+        for _, pages, cached in seqs:
             used = pages[: -(-(cached + q) // ps)]
             if len(used) and not (min(used) >= 0 and max(used) < pool_pages):
                 bad = next(p for p in used if not 0 <= p < pool_pages)
@@ -797,7 +807,7 @@ def _logits(net: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, batch: P
 
 def _graph_inputs(
     tokens: np.ndarray[Any, Any],
-    seqs: Sequence[tuple[Sequence[int], Sequence[int], int]],
+    pages: Sequence[np.ndarray[Any, Any]],
     ctx: Sequence[int],
     t: int,
     page_size: int,
@@ -806,14 +816,13 @@ def _graph_inputs(
     """A graph's flat inputs into ``out``: ids ``[b, q]`` (``tokens``, integers), positions
     ``[b, q]``, write slots ``[b, q]``, read slots ``[b, t]`` (padded with the slot of the last
     token, which the forward has just written: never NaN) and context lengths ``[b]``
-    (:class:`_Graph`); ``seqs`` give each sequence's pages."""
+    (:class:`_Graph`); ``pages``: each sequence's pages that hold its context (int64)."""
     b, q = tokens.shape
     ids, pos, write, read, lens = np.split(out, np.cumsum([b * q, b * q, b * q, b * t]))
     ids, pos, write, read = ids.reshape(b, q), pos.reshape(b, q), write.reshape(b, q), read.reshape(b, t)
     offsets = np.arange(page_size, dtype=np.int64)
     ids[:] = tokens
-    for i, ((_, pages, _), c) in enumerate(zip(seqs, ctx, strict=True)):
-        used = np.asarray(pages[: -(-c // page_size)], dtype=np.int64)
+    for i, (used, c) in enumerate(zip(pages, ctx, strict=True)):
         slots = (used[:, None] * page_size + offsets).reshape(-1)
         pos[i] = np.arange(c - q, c, dtype=np.int64)
         write[i] = slots[c - q : c]

@@ -745,7 +745,8 @@ def test_graph_inputs_built_in_place_match_the_slots_of_each_sequence(page_size:
             t = max(ctx) + 5  # a graph's bucket pads the reads
             b = len(seqs)
             out = np.full(3 * b * q + b * t + b, -1, dtype=np.int64)
-            _graph_inputs(np.array([s[0] for s in seqs]), seqs, ctx, t, page_size, out)
+            used = [np.array(p[: -(-c // page_size)]) for (_, p, _), c in zip(seqs, ctx, strict=True)]
+            _graph_inputs(np.array([s[0] for s in seqs]), used, ctx, t, page_size, out)
             ids = torch.tensor([s[0] for s in seqs])
             pos = torch.stack([torch.arange(c - q, c) for c in ctx])
             write = torch.stack([run.slots(p, c - q, c) for (_, p, _), c in zip(seqs, ctx, strict=True)])
@@ -841,6 +842,9 @@ def test_graph_replays_with_staged_inputs_match_eager_forwards_on_cpu(monkeypatc
     assert replays == 30 and staged.eager_forwards == eager.eager_forwards - 30 and len(uploads) == 30
     made = len(staged._graphs)
     pages, length = seqs[0]
+    for wrong in (96, -1):  # a page outside the pool, on the staged path too
+        with pytest.raises(ConfigError, match=f"page {wrong} is not in the pool's"):
+            staged.forward([([1], [*pages[:-1], wrong], 4 * len(pages) - 1)])
     bad: Any = [None]
     with pytest.raises((TypeError, ValueError, RuntimeError)):
         staged.forward([(bad, pages, length[0] + 40)])  # a new shape: its graph must not be made
