@@ -506,8 +506,9 @@ class ModelRunner:
         the events are empty: an ordinary forward); the logits are not ready until
         :meth:`join_layered`. ``into`` (from :meth:`replay_target`): where a graph replay puts
         its logits, so the forward allocates nothing. Raises ConfigError, before anything
-        runs, for a page it would touch outside the pool or a cached length that is not an
-        int >= 0."""
+        runs, for a page it would touch that is not an int in the pool, a new token that is
+        not an int in ``[0, vocab)``, or a cached length that is not an int >= 0 (numpy ints
+        and 0-d integer tensors are ints)."""
         if self.closed:
             raise MisuseError("forward on a closed model runner")
         with contextlib.nullcontext() if self._backends is None else sdpa_kernel(self._backends):
@@ -591,9 +592,12 @@ class ModelRunner:
         q = len(seqs[0][0])
         if q == 0 or any(len(s[0]) != q for s in seqs):
             raise ConfigError("a batch needs the same, non-zero number of new tokens per sequence")
-        self._check_cached(seqs)
+        seqs = self._check_cached(seqs)  # cached lengths as Python ints from here on
         ctx = [cached + q for _, _, cached in seqs]
         b = len(seqs)
+        self._check_pages(seqs, ctx)
+        tokens = self._token_ids(seqs, b, q)
+        used = self._used_pages(seqs, ctx)  # NOTE: before anything runs, on every path
         short = b * q <= self.graph_tokens
         key = self._key(b, q, max(ctx), layered)
         fresh = all(cached == 0 for _, _, cached in seqs)  # a fresh prefill: no context to read
@@ -601,23 +605,14 @@ class ModelRunner:
             # NOTE: the common case (decode steps, restored tails) builds its inputs straight
             # into the pinned staging buffer: a layered forward's launch is on its restore's
             # critical path, and a dozen small torch ops cost more host time than the replay.
-            tokens = np.asarray([list(s[0]) for s in seqs])
-            if tokens.dtype.kind in "iu" and tokens.shape == (b, q):  # else the path below raises as ever
-                self._check_pages(seqs, ctx)
-                ps = self.page_size
-                used = [np.asarray(p[: -(-c // ps)], dtype=np.int64) for (_, p, _), c in zip(seqs, ctx, strict=True)]
-                for held in used:  # NOTE: vectorized: this is every decode step's path
-                    if held.min() < 0 or held.max() >= self.pool.num_pages:
-                        self._check_range(seqs, q)  # raises, naming the page
-                graph = self._graph(*key)
-                if graph is not None:
-                    fill = functools.partial(_graph_inputs, tokens, used, ctx, graph.t, ps)
-                    self._upload_flat(graph.flat, fill)
-                    logits = self._replay(graph, into)
-                    if logits is not None:
-                        return logits
-        self._check_range(seqs, q)
-        ids = torch.tensor([list(s[0]) for s in seqs], dtype=torch.int64)
+            graph = self._graph(*key)
+            if graph is not None:
+                fill = functools.partial(_graph_inputs, tokens, used, ctx, graph.t, self.page_size)
+                self._upload_flat(graph.flat, fill)
+                logits = self._replay(graph, into)
+                if logits is not None:
+                    return logits
+        ids = torch.from_numpy(tokens)
         pos = torch.stack([torch.arange(c - q, c) for c in ctx])
         write = torch.stack([self.slots(p, c - q, c) for (_, p, _), c in zip(seqs, ctx, strict=True)])
         if fresh:
@@ -666,25 +661,74 @@ class ModelRunner:
             self._graphs.clear()
             return None
 
-    def _check_cached(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]]) -> None:
-        """Each cached length an integer >= 0."""
-        for _, _, cached in seqs:
-            try:
-                valid = not isinstance(cached, bool) and operator.index(cached) >= 0
-            except TypeError:
-                valid = False
-            if not valid:
+    def _check_cached(
+        self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]]
+    ) -> list[tuple[Sequence[int], Sequence[int], int]]:
+        """``seqs`` with each cached length as a Python int (a numpy int or a 0-d integer
+        tensor would otherwise key a new graph per call, or wrap); ConfigError where one is
+        not an int >= 0."""
+        out = []
+        for tokens, pages, cached in seqs:
+            n = _index(cached)
+            if n is None or n < 0:
                 raise ConfigError(f"a cached length must be an int >= 0, got {cached!r}")
+            out.append((tokens, pages, n))
+        return out
 
-    def _check_range(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], q: int) -> None:
-        """Each page the forward touches in the pool: a page out of range would be read and
-        written outside the pool on the GPU."""
-        ps, pool_pages = self.page_size, self.pool.num_pages
-        for _, pages, cached in seqs:
-            used = pages[: -(-(cached + q) // ps)]
-            if len(used) and not (min(used) >= 0 and max(used) < pool_pages):
-                bad = next(p for p in used if not 0 <= p < pool_pages)
-                raise ConfigError(f"page {bad!r} is not in the pool's [0, {pool_pages})")
+    def _token_ids(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], b: int, q: int) -> np.ndarray:
+        """The new tokens as an int64 ``[b, q]`` array; ConfigError where one is not an int
+        in ``[0, vocab)`` (a float would be truncated, an id past the vocabulary is a
+        device-side assert on the GPU)."""
+        try:
+            arr = np.asarray([list(s[0]) for s in seqs])
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ConfigError(f"new tokens must be ints: {exc}") from None
+        if arr.shape != (b, q) or arr.dtype.kind not in "iu":
+            flat = [t for s in seqs for t in s[0]]
+            ints = [_index(t) for t in flat]
+            if None in ints:
+                bad = flat[ints.index(None)]
+                bad = bad.item() if isinstance(bad, np.generic) else bad
+                raise ConfigError(f"new tokens must be ints, got {bad!r}")
+            arr = np.asarray(ints, dtype=object).reshape(b, q)
+        vocab = int(getattr(getattr(self.net, "config", None), "vocab_size", 0) or 0)
+        if arr.size and (arr.min() < 0 or (vocab and arr.max() >= vocab)):
+            bad = next(int(t) for t in arr.reshape(-1) if t < 0 or (vocab and t >= vocab))
+            raise ConfigError(f"token {bad} is not in the vocabulary's [0, {vocab})")
+        return arr.astype(np.int64)
+
+    def _used_pages(
+        self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], ctx: Sequence[int]
+    ) -> list[np.ndarray]:
+        """Each sequence's pages that hold its context, as int64 arrays; ConfigError, naming
+        the page, where one is not an int in the pool: a page out of range would be read and
+        written outside the pool on the GPU, a float one truncated (NaN to page 0).
+        NOTE: one vectorized range check for the batch: this is every decode step's path."""
+        ps, top = self.page_size, self.pool.num_pages
+        used = []
+        for (_, pages, _), c in zip(seqs, ctx, strict=True):
+            part = pages[: -(-c // ps)]
+            try:
+                arr = np.asarray(part)
+            except (TypeError, ValueError, OverflowError):
+                arr = np.asarray([], dtype=object)
+            if arr.dtype.kind not in "iu" or arr.shape != (len(part),):  # floats, bools, ints past int64
+                ints = [_index(p) for p in part]
+                bad = next((p for p, i in zip(part, ints, strict=True) if i is None or not 0 <= i < top), None)
+                if bad is not None:
+                    bad = bad.item() if isinstance(bad, np.generic) else bad
+                    raise ConfigError(f"page {bad!r} is not an int in the pool's [0, {top})")
+                arr = np.asarray(ints, dtype=np.int64)
+            elif arr.dtype.kind == "u":
+                if arr.size and arr.max() >= top:
+                    raise ConfigError(f"page {int(arr.max())} is not in the pool's [0, {top})")
+                arr = arr.astype(np.int64)
+            used.append(arr.astype(np.int64, copy=False))
+        flat = used[0] if len(used) == 1 else np.concatenate(used)
+        if flat.size and (flat.min() < 0 or flat.max() >= top):
+            bad = next(int(p) for p in flat if not 0 <= p < top)
+            raise ConfigError(f"page {bad} is not in the pool's [0, {top})")
+        return used
 
     def _check_pages(self, seqs: Sequence[tuple[Sequence[int], Sequence[int], int]], ctx: Sequence[int]) -> None:
         """The error :meth:`slots` raises where a sequence has too few pages for its tokens."""
@@ -803,6 +847,17 @@ def _logits(net: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, batch: P
     out = net(input_ids=ids, position_ids=pos, use_cache=False, hicache_batch=batch, logits_to_keep=1)
     logits: torch.Tensor = out.logits[:, -1]
     return logits
+
+
+def _index(x: object) -> int | None:
+    """``x`` as a Python int where it is an integer (int, numpy integer, 0-d integer
+    tensor), else None (bools, floats, anything else)."""
+    if isinstance(x, (bool, np.bool_)) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        return None
+    try:
+        return int(operator.index(x))  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _graph_inputs(

@@ -846,7 +846,7 @@ def test_graph_replays_with_staged_inputs_match_eager_forwards_on_cpu(monkeypatc
         with pytest.raises(ConfigError, match=f"page {wrong} is not in the pool's"):
             staged.forward([([1], [*pages[:-1], wrong], 4 * len(pages) - 1)])
     bad: Any = [None]
-    with pytest.raises((TypeError, ValueError, RuntimeError)):
+    with pytest.raises(ConfigError, match="new tokens must be ints, got None"):
         staged.forward([(bad, pages, length[0] + 40)])  # a new shape: its graph must not be made
     assert len(staged._graphs) == made
 
@@ -875,3 +875,81 @@ def test_a_forward_refuses_pages_outside_the_pool_and_bad_cached_lengths(
         run.forward([([1, 2], pages, cached)])
     assert torch.equal(pool.buffer, before)
     run.forward([([1, 2], [3, 4, 5, 99], 8)])  # page 99 lies past the 10 tokens: unused
+
+
+def _staged_runners(monkeypatch: pytest.MonkeyPatch) -> tuple[ModelRunner, ModelRunner]:
+    """(staged, eager) runners on CPU over pools of the same contents; the staged one runs
+    the graph-replay path (stand-in graphs that run their body on the staged inputs)."""
+    import hicache.engine.model as model
+
+    def run(self: Any, into: torch.Tensor | None = None) -> torch.Tensor:
+        if self.graph is None:
+            self.graph = object()
+        out = self._body()
+        self.out = out
+        return out.clone() if into is None else into.copy_(out)
+
+    monkeypatch.setattr(model._Graph, "run", run)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    net = build_model("tiny")
+    out = []
+    for graphs in (True, False):
+        pool = DevicePool.allocate(kv_geometry(net, 4), 16, "cpu")
+        torch.manual_seed(0)
+        pool.buffer.normal_()
+        r = ModelRunner(net, pool, max_graphs=8, graph_bucket=16)
+        r.graphs_enabled = graphs
+        out.append(r)
+    out[0]._staged_inputs = True
+    out[0]._copied = [_NoEvent(), _NoEvent()]
+    return out[0], out[1]
+
+
+BAD_FORWARDS: list[Any] = [  # (tokens, pages, cached, what the error says)
+    ([7], np.array([np.nan, 3.0, 5.0]), 5, "page nan is not an int"),  # NaN cast to int64 is page 0's slots
+    ([7], np.array([-0.5, 3.0, 5.0]), 5, "page -0.5 is not an int"),
+    ([7], [3, 4.0, 5], 5, "page 4.0 is not an int"),
+    ([7], np.array([True, True, False]), 5, "page True is not an int"),
+    ([7], [3, 2**70, 5], 5, f"page {2**70} is not an int in the pool"),
+    ([7], np.array([3, 2**63 + 1, 5], dtype=np.uint64), 5, f"page {2**63 + 1} is not in the pool"),
+    ([2.5], [3, 4, 5], 5, "new tokens must be ints, got 2.5"),
+    ([True], [3, 4, 5], 5, "new tokens must be ints, got True"),
+    ([-3], [3, 4, 5], 5, "token -3 is not in the vocabulary's [0, 512)"),
+    ([512], [3, 4, 5], 5, "token 512 is not in the vocabulary's [0, 512)"),
+    ([2**63 + 5], [3, 4, 5], 5, f"token {2**63 + 5} is not in the vocabulary"),
+    ([7], [3, 4, 5], torch.tensor(True), "a cached length must be an int >= 0"),
+    ([7], [3, 4, 5], np.bool_(True), "a cached length must be an int >= 0"),
+    ([7], [3, 4, 5], torch.tensor(-1), "a cached length must be an int >= 0"),
+]
+
+
+@pytest.mark.parametrize("path", ["staged", "eager"])
+@pytest.mark.parametrize(("tokens", "pages", "cached", "says"), BAD_FORWARDS)
+def test_a_forward_refuses_what_is_not_an_int_on_every_path(
+    monkeypatch: pytest.MonkeyPatch, path: str, tokens: Any, pages: Any, cached: Any, says: str
+) -> None:
+    """Pages, tokens and cached lengths that are not ints in range are a ConfigError before
+    anything runs, on the staged replay path (every decode step's) as on the others: no page
+    of the pool written (a NaN page would have been page 0, another request's), no graph made."""
+    staged, eager = _staged_runners(monkeypatch)
+    run = staged if path == "staged" else eager
+    for r in (staged, eager):  # a context to extend: pages 3, 4, 5 hold tokens [0, 5)
+        r.forward([([1, 2, 3, 4, 5], [3, 4, 5], 0)])
+    before = run.pool.buffer.clone()
+    made = len(run._graphs)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        run.forward([(tokens, pages, cached)])
+    assert torch.equal(run.pool.buffer, before) and len(run._graphs) == made
+
+
+@pytest.mark.parametrize("cached", [np.int64(5), np.int8(5), torch.tensor(5)])
+def test_a_cached_length_of_another_int_type_is_the_int(monkeypatch: pytest.MonkeyPatch, cached: Any) -> None:
+    """A numpy int or a 0-d integer tensor as the cached length runs as the same Python int:
+    the same logits, and its graph reused (it does not key a new graph per call)."""
+    staged, eager = _staged_runners(monkeypatch)
+    for r in (staged, eager):
+        r.forward([([1, 2, 3, 4, 5], [3, 4, 5], 0)])
+    want = eager.forward([([7], [3, 4, 5], 5)])
+    for _ in range(3):
+        torch.testing.assert_close(staged.forward([([7], [3, 4, 5], cached)]), want, rtol=1e-4, atol=1e-4)
+    assert staged.graph_replays == 3 and len(staged._graphs) == 1
