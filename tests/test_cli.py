@@ -10,6 +10,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -395,3 +396,50 @@ def test_an_l1_pool_too_large_for_its_page_size_names_both_flags(capsys: pytest.
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("error: --num-pages 4096: cannot allocate the L1 pool of 4096 pages")
     assert "of 100000000 tokens, 195312.5 GiB (--page-size)" in err
+
+
+@pytest.mark.parametrize("missing", ["tqdm", "transformers"])
+def test_without_the_engine_extra_the_module_says_so_in_one_line(missing: str) -> None:
+    """``pip install .`` (the cache alone) lacks tqdm and transformers: ``python -m
+    hicache.engine`` then names the extra to install, in one line, exit 2, no traceback."""
+    code = (
+        f"import sys, runpy; sys.modules[{missing!r}] = None; sys.argv = ['hicache.engine', '--help']; "
+        "runpy.run_module('hicache.engine', run_name='__main__')"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == "" and run.stderr.count("\n") == 1
+    assert run.stderr.startswith("error: the reference engine needs the [engine] extra: pip install 'hicache[engine]'")
+    assert missing in run.stderr
+
+
+def test_without_transformers_building_a_model_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.engine import build_model
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ConfigError, match=r"need the \[engine\] extra: pip install 'hicache\[engine\]'"):
+        build_model("tiny")
+
+
+def test_an_unavailable_l3_is_a_warning_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A store that could not be reached (a mistyped Mooncake address) leaves the run without
+    L3: the CLI says so on stderr, with the store's reason, and still serves (exit 0)."""
+    import dataclasses
+
+    from hicache.facade import HiCache
+
+    real = HiCache.status
+
+    def status(self: HiCache) -> Any:
+        s = real(self)
+        down = {**(s.storage or {}), "available": False, "error": "master 127.0.0.1:1 unreachable"}
+        return dataclasses.replace(s, storage=down)
+
+    monkeypatch.setattr(HiCache, "status", status)
+    code, out, err = run_main(["--enable-hicache", "--hicache-storage-ratio", "1", "--requests", "2"], capsys)
+    assert code == 0 and "2 requests: 2 served, 0 failed" in out
+    assert "warning: L3 unavailable, running without it: master 127.0.0.1:1 unreachable\n" in err
+    monkeypatch.setattr(HiCache, "status", real)
+    code, out, err = run_main(["--enable-hicache", "--hicache-storage-ratio", "1", "--requests", "2"], capsys)
+    assert code == 0 and "L3 unavailable" not in err

@@ -19,7 +19,16 @@ import time
 from collections import Counter
 
 import xxhash
-from tqdm import tqdm
+
+try:  # the [engine] extra
+    import transformers  # noqa: F401  (the models: checked here, for one line instead of a traceback)
+    from tqdm import tqdm
+except ImportError as _missing:
+    print(
+        f"error: the reference engine needs the [engine] extra: pip install 'hicache[engine]' ({_missing})",
+        file=sys.stderr,
+    )
+    raise SystemExit(2) from None
 
 from hicache.engine.cli import (
     ArgParser,
@@ -157,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    storage = engine.cache.status().storage
+    if storage and not storage.get("available", True):
+        warn(f"L3 unavailable, running without it: {storage.get('error') or 'no reason given'}")
     server = MetricsServer(args.metrics_port) if args.enable_metrics else None
     try:
         if server is not None:

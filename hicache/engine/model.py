@@ -188,8 +188,13 @@ def build_model(
 ) -> torch.nn.Module:
     """A preset name (random weights, fixed seed) or a local checkpoint directory. Nothing
     is downloaded. ``fused_norms``: RMSNorms in one Triton kernel each
-    (:func:`hicache.engine.fused.fuse_norms`); None: on CUDA when Triton is installed."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    (:func:`hicache.engine.fused.fuse_norms`); None: on CUDA when Triton is installed.
+    ConfigError without transformers (the ``[engine]`` extra)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as exc:
+        need = "pip install 'hicache[engine]'"
+        raise ConfigError(f"the reference engine's models need the [engine] extra: {need} ({exc})") from None
 
     _register()
     if model in PRESETS:
