@@ -231,7 +231,8 @@ def meta_date(stem: Path) -> str:
     return str(json.loads(stem.with_suffix(".json").read_text())["meta"]["date"])
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> ArgParser:
+    """The benchmark's command line (scripts/run.sh routes each option by it)."""
     ap = ArgParser("python bench/bench_hicache.py", __doc__)
     add_engine_args(ap)
     b = ap.add_argument_group("benchmark")
@@ -311,6 +312,11 @@ def main(argv: list[str] | None = None) -> None:
         help="the most pages a layered restore copies straight into L1 (default: TransferEngine's)",
     )
     add_out_args(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     for dest in sorted(given_flags(ap, argv) & set(SET_PER_TIER)):

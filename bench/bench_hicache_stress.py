@@ -192,7 +192,8 @@ def rotate(
     }
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+def parser() -> ArgParser:
+    """The benchmark's command line (scripts/run.sh routes each option by it)."""
     ap = ArgParser("python bench/bench_hicache_stress.py", __doc__)
     add_engine_args(ap)
     b = ap.add_argument_group("benchmark")
@@ -213,6 +214,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     b.add_argument("--no-rotation", action="store_true", help="run only the overlap variants")
     b.add_argument("--repeats", type=int, default=1, help="runs per configuration, round-robin; rows show the median")
     add_out_args(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.disk_dir is None:
         args.out.mkdir(parents=True, exist_ok=True)

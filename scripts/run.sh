@@ -3,10 +3,9 @@
 # (recompute / L2 / L3) and throughput under prefix rotation — printing tables and writing
 # JSON + PNG to $HICACHE_BENCH_OUT (default /tmp/hicache-bench; the checkout stays clean).
 # Without a GPU: the tiny model on CPU (about a minute); with one: the Qwen3-8B shape in
-# bf16. Extra arguments go to both benchmarks (e.g. --out DIR).
+# bf16. Each extra option goes to the benchmark(s) that have it (bench/main_job.py; e.g. --out DIR).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 (cd "$ROOT" && bash scripts/setup.sh)
 # NOTE: run from the caller's directory, so a relative --out means what the caller meant.
-"$ROOT/.venv/bin/python" "$ROOT/bench/bench_hicache.py" "$@"
-"$ROOT/.venv/bin/python" "$ROOT/bench/bench_hicache_stress.py" "$@"
+"$ROOT/.venv/bin/python" "$ROOT/bench/main_job.py" "$@"

@@ -222,3 +222,50 @@ def test_storage_bench_times_plain_and_store_in_turn_and_takes_the_median_turn_r
     assert calls[:6] == ["drop plain", "plain", "drop store", "store", "drop plain", "plain"]
     # the medians, and the median of the turns' ratios (1/3, 2/3, 1, 0.8, 1), not 3.0 / 3.0
     assert got == (3.0, 3.0, 0.8)
+
+
+def test_the_main_job_routes_each_option_to_the_benchmarks_that_have_it() -> None:
+    """scripts/run.sh's options: one both benchmarks have goes to both, one only the stress
+    benchmark has to it alone (it used to reach the latency benchmark too and fail there),
+    values and ``--flag=value`` kept with their flag, an unknown option refused."""
+    import main_job
+
+    parsers = {name: make() for name, make in main_job.BENCHES.items()}
+    argv = [
+        "--out",
+        "/tmp/x",
+        "--repeats",
+        "2",
+        "--no-rotation",
+        "--iterations=3",
+        "--tiers",
+        "none",
+        "l2",
+        "--model",
+        "tiny",
+    ]
+    split = main_job.route(argv, parsers)
+    assert split["bench_hicache.py"] == [
+        "--out",
+        "/tmp/x",
+        "--iterations=3",
+        "--tiers",
+        "none",
+        "l2",
+        "--model",
+        "tiny",
+    ]
+    assert split["bench_hicache_stress.py"] == ["--out", "/tmp/x", "--repeats", "2", "--no-rotation", "--model", "tiny"]
+    for bad, says in ((["--bogus", "1"], "--bogus: no benchmark has this option"), (["stray"], "stray: not an option")):
+        with pytest.raises(ValueError, match=says):
+            main_job.route(bad, parsers)
+
+
+def test_the_main_job_refuses_an_unknown_option_in_one_line() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "main_job.py"), "--bogus", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (run.returncode, run.stdout, run.stderr) == (2, "", "error: --bogus: no benchmark has this option\n")
