@@ -17,7 +17,7 @@ RESULTS = ROOT / "bench" / "results"
 
 TRANSFER = "transfer-2026-12-02-h200.json"
 LATENCY = "bench_hicache-qwen3-8b-2026-12-03-h200-quick.json"
-LONG = "bench_hicache-qwen3-8b-2026-12-02-h200-long.json"
+LONG = "bench_hicache-qwen3-8b-2026-12-03-h200-long.json"
 ROWS = "bench_hicache-qwen3-8b-2026-12-02-h200-quick-rows.json"
 STRAIGHT = "bench_hicache-qwen3-8b-2026-12-02-h200-quick-straight.json"
 OVERLAP = "bench_hicache_stress-qwen3-8b-2026-12-03-h200-overlap.json"
