@@ -784,29 +784,9 @@ def test_graph_replays_with_staged_inputs_match_eager_forwards_on_cpu(monkeypatc
     on CPU: a "graph" that runs its body on the inputs in its ``flat`` must give the eager
     forward's logits for decode steps and short extends of batches whose contexts differ,
     honour ``into``, and leave no graph behind for a batch whose tokens are not ints."""
-    import hicache.engine.model as model
-
-    def run(self: Any, into: torch.Tensor | None = None) -> torch.Tensor:
-        if self.graph is None:
-            self.graph = object()  # "captured": later runs are replays
-        out = self._body()
-        self.out = out
-        return out.clone() if into is None else into.copy_(out)
-
-    monkeypatch.setattr(model._Graph, "run", run)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    net = build_model("tiny")
-    runners = []
-    for graphs in (True, False):
-        pool = DevicePool.allocate(kv_geometry(net, 4), 96, "cpu")
-        torch.manual_seed(0)
-        pool.buffer.normal_()
-        r = ModelRunner(net, pool, max_graphs=64, graph_bucket=16)
-        r.graphs_enabled = graphs
-        runners.append(r)
-    staged, eager = runners
-    staged._staged_inputs = True
-    staged._copied = [_NoEvent(), _NoEvent()]
+    staged, eager = _staged_runners(monkeypatch, num_pages=96, max_graphs=64)
+    runners = [staged, eager]
+    net = staged.net
     flat = staged._upload_flat
     uploads: list[int] = []
 
@@ -877,7 +857,9 @@ def test_a_forward_refuses_pages_outside_the_pool_and_bad_cached_lengths(
     run.forward([([1, 2], [3, 4, 5, 99], 8)])  # page 99 lies past the 10 tokens: unused
 
 
-def _staged_runners(monkeypatch: pytest.MonkeyPatch) -> tuple[ModelRunner, ModelRunner]:
+def _staged_runners(
+    monkeypatch: pytest.MonkeyPatch, num_pages: int = 16, max_graphs: int = 8
+) -> tuple[ModelRunner, ModelRunner]:
     """(staged, eager) runners on CPU over pools of the same contents; the staged one runs
     the graph-replay path (stand-in graphs that run their body on the staged inputs)."""
     import hicache.engine.model as model
@@ -894,10 +876,10 @@ def _staged_runners(monkeypatch: pytest.MonkeyPatch) -> tuple[ModelRunner, Model
     net = build_model("tiny")
     out = []
     for graphs in (True, False):
-        pool = DevicePool.allocate(kv_geometry(net, 4), 16, "cpu")
+        pool = DevicePool.allocate(kv_geometry(net, 4), num_pages, "cpu")
         torch.manual_seed(0)
         pool.buffer.normal_()
-        r = ModelRunner(net, pool, max_graphs=8, graph_bucket=16)
+        r = ModelRunner(net, pool, max_graphs=max_graphs, graph_bucket=16)
         r.graphs_enabled = graphs
         out.append(r)
     out[0]._staged_inputs = True
