@@ -54,11 +54,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", choices=["auto", "paged", "gqa", "fold"], default="auto")
     ap.add_argument("--top", type=int, default=12, help="kernels named per mode")
     ap.add_argument("--plain-norms", action="store_true", help="keep transformers' RMSNorm (not fused)")
+    ap.add_argument(
+        "--plain-layers", action="store_true", help="keep transformers' attention prologue and MLP (not fused)"
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
-    net = build_model(args.model, device=args.device, dtype=dtype, fused_norms=False if args.plain_norms else None)
+    net = build_model(
+        args.model,
+        device=args.device,
+        dtype=dtype,
+        fused_norms=False if args.plain_norms else None,
+        fused_layers=False if args.plain_layers else None,
+    )
     ps = args.page_size
     pages = list(range(-(-(args.context + args.tail) // ps)))
     pool = DevicePool.allocate(kv_geometry(net, ps), len(pages), args.device)
@@ -69,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.model} ({dtype}) on {torch.cuda.get_device_name() if cuda else 'CPU'}: "
         f"{args.tail} tokens over {args.context} cached, attention {attention}, "
-        f"norms {'plain' if args.plain_norms else 'fused'}"
+        f"norms {'plain' if args.plain_norms else 'fused'}, layers {'plain' if args.plain_layers else 'fused'}"
     )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     result: dict[str, Any] = {"model": args.model, "context": args.context, "tail": args.tail, "modes": {}}

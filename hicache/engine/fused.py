@@ -1,22 +1,35 @@
-"""RMSNorm in one kernel for the engine's decoders.
+"""Fewer, larger launches for the engine's decoders.
 
-A restored request's tail and every decode step run a few rows through each norm, and a Qwen3
-layer has four of them (input, post-attention, and the per-head query and key norms).
-transformers' ``RMSNorm.forward`` is six elementwise kernels (cast, square, mean, rsqrt,
-scale, weight); replayed in a CUDA graph each still costs the GPU a few microseconds, about
-a thousand of them per forward of a 36-layer model. :func:`rms_norm_triton` is one launch
-that computes the same formula in the same precisions (float32 statistics, the normalised
-row rounded to the input's dtype before the weight multiplies it); :func:`fuse_norms` puts
-it under a model's norm modules. :func:`rms_norm_torch` is the reference it is tested against.
+A forward of a few tokens (a decode step, a restored request's tail) is set by its kernels'
+count, not by its bytes: replayed in a CUDA graph each small kernel still costs the GPU a
+few microseconds. Three fusions, each tested against transformers' own code:
+
+* :func:`rms_norm_triton`, one launch per RMSNorm (:func:`fuse_norms`);
+* :func:`qkv_write_triton`, the attention prologue in one launch: the per-head query and
+  key norms, the rotary embedding and the K/V writes into the pool, after one GEMM for the
+  three projections (:func:`fuse_layers`);
+* :func:`silu_mul_triton`, the MLP's activation in one launch, after one GEMM for the gate
+  and up projections (:func:`fuse_layers`).
+
+Each kernel rounds where torch rounds (float32 statistics and products, each result
+rounded to the input's dtype as transformers' code does), so outputs agree within a rounding
+of the largest value. A Qwen3 layer has four norms (transformers' ``RMSNorm.forward`` is six
+elementwise kernels); its prologue was about sixteen kernels (norms, ``rotate_half``'s
+slices and ``cat``, products and sums, the pool writes). Together the fusions take the
+Qwen3-8B forward of a restored tail from about 2,260 kernels to about 530
+(``bench/probes/forward_profile.py``; figures in docs/RESULTS.md).
 """
 
 from __future__ import annotations
 
+import os
 import types
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from hicache.engine.attention import MAX_QUERY_TOKENS, paged_attention_triton
 from hicache.errors import ConfigError
 
 try:  # Triton is optional: without it the norms stay as transformers wrote them.
@@ -95,5 +108,316 @@ def fuse_norms(net: torch.nn.Module) -> int:
     for module in net.modules():
         if type(module).__name__ in NORM_CLASSES and hasattr(module, "variance_epsilon"):
             module.forward = types.MethodType(_fused_forward, module)
+            count += 1
+    return count
+
+
+# --- the attention prologue and the MLP ------------------------------------------------------
+
+ATTENTION_CLASSES = frozenset({"Qwen3Attention", "Qwen2Attention", "LlamaAttention"})
+MLP_CLASSES = frozenset({"Qwen3MLP", "Qwen2MLP", "LlamaMLP"})
+_SILU = frozenset({"silu", "swish"})
+
+
+def _kernels_run(x: torch.Tensor) -> bool:
+    """Triton runs on ``x``'s device: CUDA, or the CPU interpreter (tests)."""
+    return HAVE_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding of ``x`` (``[..., D]``; ``cos``/``sin`` broadcast to it):
+    ``x * cos + rotate_half(x) * sin``, each product rounded to ``x.dtype``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+def qkv_write_torch(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weights: torch.Tensor | None,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """The reference of :func:`qkv_write_triton`, as transformers computes it: per token
+    row of ``qkv`` (``[N, (heads + 2 * kv_heads) * D]``), the query and key heads
+    RMS-normalised over ``D`` (if ``norm_weights``, ``[2, D]``: the query norm's weight,
+    then the key norm's) and rotated by ``cos``/``sin``
+    (``[N, D]``); keys and values written to ``k_pool``/``v_pool`` (``[slots, kv_heads, D]``)
+    at ``slots`` (``[N]``). Returns the queries, ``[N, heads, D]``."""
+    n, d = qkv.shape[0], k_pool.shape[-1]
+    q, k, v = torch.split(qkv.view(n, heads + 2 * kv_heads, d), [heads, kv_heads, kv_heads], dim=1)
+    if norm_weights is not None:
+        q, k = rms_norm_torch(q, norm_weights[0], eps), rms_norm_torch(k, norm_weights[1], eps)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    q, k = rope_torch(q, cos, sin), rope_torch(k, cos, sin)
+    k_pool[slots] = k.to(k_pool.dtype)
+    v_pool[slots] = v.to(v_pool.dtype)
+    return q.contiguous()
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up = [gate | up]`` (last dim), as transformers' MLP
+    computes it (each op rounded to the input's dtype)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _qkv_write_kernel(
+        qkv_ptr,  # [N, (HQ + 2 * H) * D], last dim contiguous
+        cos_ptr,  # [N, D], contiguous
+        sin_ptr,
+        nw_ptr,  # [2, D]: the query norm's weight, then the key norm's (unused without NORM)
+        q_out_ptr,  # [N, HQ, D], contiguous
+        k_ptr,  # [slots, H, D], last dim contiguous
+        v_ptr,
+        slots_ptr,  # int64 [N]
+        stride_qkv,
+        sk_slot,
+        sk_h,
+        sv_slot,
+        sv_h,
+        eps,
+        HQ: tl.constexpr,
+        H: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        NORM: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        d = tl.arange(0, HALF)
+        src = qkv_ptr + row * stride_qkv + head * HEAD_DIM
+        x1 = tl.load(src + d)
+        x2 = tl.load(src + HALF + d)
+        dtype = x1.dtype
+        if head < HQ + H:  # a query or key head: normalise, rotate
+            if NORM:
+                f1 = x1.to(tl.float32)
+                f2 = x2.to(tl.float32)
+                r = tl.math.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / HEAD_DIM + eps)
+                w_ptr = nw_ptr + (head >= HQ).to(tl.int32) * HEAD_DIM
+                w1 = tl.load(w_ptr + d).to(tl.float32)
+                w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+                x1 = (w1 * (f1 * r).to(dtype).to(tl.float32)).to(dtype)
+                x2 = (w2 * (f2 * r).to(dtype).to(tl.float32)).to(dtype)
+            c1 = tl.load(cos_ptr + row * HEAD_DIM + d).to(tl.float32)
+            c2 = tl.load(cos_ptr + row * HEAD_DIM + HALF + d).to(tl.float32)
+            s1 = tl.load(sin_ptr + row * HEAD_DIM + d).to(tl.float32)
+            s2 = tl.load(sin_ptr + row * HEAD_DIM + HALF + d).to(tl.float32)
+            a1 = x1.to(tl.float32)
+            a2 = x2.to(tl.float32)
+            # x * cos + rotate_half(x) * sin, each product and the sum rounded as torch does
+            o1 = ((a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)).to(dtype)
+            o2 = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+            if head < HQ:
+                dst = q_out_ptr + (row * HQ + head) * HEAD_DIM
+                tl.store(dst + d, o1)
+                tl.store(dst + HALF + d, o2)
+            else:
+                slot = tl.load(slots_ptr + row)
+                dst = k_ptr + slot * sk_slot + (head - HQ) * sk_h
+                tl.store(dst + d, o1.to(k_ptr.dtype.element_ty))
+                tl.store(dst + HALF + d, o2.to(k_ptr.dtype.element_ty))
+        else:  # a value head: into the pool as it is
+            slot = tl.load(slots_ptr + row)
+            dst = v_ptr + slot * sv_slot + (head - HQ - H) * sv_h
+            tl.store(dst + d, x1.to(v_ptr.dtype.element_ty))
+            tl.store(dst + HALF + d, x2.to(v_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, N, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        g = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0)
+        u = tl.load(gu_ptr + row * stride_gu + N + cols, mask=ok, other=0.0)
+        gf = g.to(tl.float32)
+        s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        tl.store(out_ptr + row * stride_out + cols, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
+
+
+def qkv_write_triton(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weights: torch.Tensor | None,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`qkv_write_torch` in one launch, one program per (token, head): the query
+    and key norms, the rotary embedding and the K/V writes into the pool that transformers
+    and the engine's attention do in about sixteen kernels per layer."""
+    if not HAVE_TRITON:
+        raise ConfigError("triton is not installed")
+    n, d = qkv.shape[0], k_pool.shape[-1]
+    problems = []
+    if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv_heads) * d or qkv.stride(-1) != 1:
+        problems.append(f"qkv {tuple(qkv.shape)} is not [N, {(heads + 2 * kv_heads) * d}] with rows contiguous")
+    if cos.shape != (n, d) or sin.shape != (n, d) or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
+        problems.append(f"cos/sin {tuple(cos.shape)} {cos.dtype} are not [{n}, {d}] {qkv.dtype}")
+    if d < 2 or d & (d - 1):
+        problems.append(f"head dim {d} is not a power of two")
+    if k_pool.shape != v_pool.shape or k_pool.dim() != 3 or k_pool.shape[1] != kv_heads:
+        problems.append(f"pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)} are not [slots, {kv_heads}, {d}]")
+    elif k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        problems.append("the pools' last dim is not contiguous")
+    if slots.shape != (n,) or slots.dtype != torch.int64:
+        problems.append(f"slots {tuple(slots.shape)} {slots.dtype} are not [{n}] int64")
+    if norm_weights is not None and (norm_weights.shape != (2, d) or not norm_weights.is_contiguous()):
+        problems.append(f"norm weights {tuple(norm_weights.shape)} are not [2, {d}], contiguous")
+    if problems:
+        raise ConfigError("qkv_write: " + "; ".join(problems))
+    out = torch.empty(n, heads, d, dtype=qkv.dtype, device=qkv.device)
+    if n:
+        _qkv_write_kernel[(n, heads + 2 * kv_heads)](
+            qkv, cos.contiguous(), sin.contiguous(), norm_weights if norm_weights is not None else cos, out,
+            k_pool, v_pool, slots.contiguous(), qkv.stride(0),
+            k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), float(eps),
+            HQ=heads, H=kv_heads, HEAD_DIM=d, NORM=norm_weights is not None, num_warps=1,
+        )  # fmt: skip
+    return out
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_mul_torch` in one launch (any leading shape; ``gate_up``'s last dim even)."""
+    if not HAVE_TRITON:
+        raise ConfigError("triton is not installed")
+    if gate_up.shape[-1] % 2:
+        raise ConfigError(f"silu_mul: the last dim ({gate_up.shape[-1]}) is not [gate | up]")
+    n = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, 2 * n)
+    if rows.numel() and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
+            rows, out, rows.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        )
+    return out.view(*gate_up.shape[:-1], n)
+
+
+def _joined(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for ``linears`` side by side (rows stacked); each module's own
+    weight becomes a view of it, so the model holds the bytes once."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    biases = [m.bias for m in linears]
+    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+    at = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[at : at + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[at : at + rows], requires_grad=False)
+        at += rows
+    return weight, bias
+
+
+def _joined_norms(attn: Any) -> tuple[torch.Tensor | None, float]:
+    """The query and key norms' weights as one ``[2, D]`` tensor (each norm's weight a view
+    of it) and their epsilon; ``(None, 0.0)`` where the attention has no such norms."""
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q_norm is None or k_norm is None:
+        return None, 0.0
+    weights = torch.stack([q_norm.weight.detach(), k_norm.weight.detach()])
+    q_norm.weight = torch.nn.Parameter(weights[0], requires_grad=False)
+    k_norm.weight = torch.nn.Parameter(weights[1], requires_grad=False)
+    return weights, float(q_norm.variance_epsilon)
+
+
+def _fused_attention(
+    self: Any,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    batch = kwargs.get("hicache_batch")
+    if (
+        batch is None
+        or batch.read_slots is None  # a fresh prefill: SDPA over the new tokens, as transformers does
+        or batch.attention != "paged"
+        or hidden_states.dim() != 3
+        or hidden_states.shape[1] > MAX_QUERY_TOKENS
+        or position_embeddings is None
+        or position_embeddings[0].shape[-1] != self.head_dim
+        or self._hicache_qkv.device != hidden_states.device
+        or self._hicache_qkv.dtype != hidden_states.dtype
+    ):
+        return self._hicache_plain(hidden_states, position_embeddings, attention_mask, *args, **kwargs)  # type: ignore[no-any-return]
+    b, q, _ = hidden_states.shape
+    qkv = F.linear(hidden_states, self._hicache_qkv, self._hicache_qkv_bias).view(b * q, -1)
+    layer = int(self.layer_idx)
+    if batch.layer_ready is not None:  # a restore still landing: this layer's pages first
+        batch.layer_ready[layer].wait(torch.cuda.current_stream())
+    buf = batch.pool.buffer
+    kv_heads, d = buf.shape[-2], buf.shape[-1]
+    cos, sin = (t.expand(b, q, d).reshape(b * q, d) for t in position_embeddings)
+    k_pool, v_pool = buf[0, layer].view(-1, kv_heads, d), buf[1, layer].view(-1, kv_heads, d)
+    query = qkv_write_triton(
+        qkv, cos, sin, self._hicache_norms, self._hicache_eps, self._hicache_heads, kv_heads, k_pool, v_pool,
+        batch.write_slots.reshape(-1),
+    )  # fmt: skip
+    query = query.view(b, q, -1, d).transpose(1, 2)  # [B, Hq, q, D], strided
+    out = paged_attention_triton(query, k_pool, v_pool, batch.read_slots, batch.ctx, self.scaling)
+    return self.o_proj(out.reshape(b, q, -1)), None
+
+
+def _fused_mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
+    if not _kernels_run(x) or self._hicache_gate_up.device != x.device or self._hicache_gate_up.dtype != x.dtype:
+        return self._hicache_plain(x)  # type: ignore[no-any-return]
+    gate_up = F.linear(x, self._hicache_gate_up, self._hicache_gate_up_bias)
+    return self.down_proj(silu_mul_triton(gate_up))  # type: ignore[no-any-return]
+
+
+def fuse_layers(net: torch.nn.Module) -> int:
+    """Fewer, larger launches in ``net``'s decoder layers, for the forwards of a few tokens
+    whose kernels, not their bytes, set the time (decode, a restored request's tail):
+
+    * attention (classes in :data:`ATTENTION_CLASSES`): one GEMM for the query, key and value
+      projections, then :func:`qkv_write_triton`, then the paged kernel. Only where the
+      batch attends with ``"paged"`` over a cached context with at most
+      ``MAX_QUERY_TOKENS`` new tokens; every other forward runs transformers' code;
+    * the MLP (classes in :data:`MLP_CLASSES` with a SiLU gate): one GEMM for the gate and
+      up projections, then :func:`silu_mul_triton`, on every forward where Triton runs.
+
+    The projections' weights become views of the joined ones (no second copy). Returns how
+    many modules were patched; a no-op without Triton. Move the model before fusing: a
+    module moved afterwards runs transformers' code."""
+    if not HAVE_TRITON:
+        return 0
+    count = 0
+    for each in net.modules():
+        module: Any = each  # transformers' modules: attributes by family
+        name = type(module).__name__
+        if name in ATTENTION_CLASSES and "forward" not in vars(module) and hasattr(module, "o_proj"):
+            heads = module.q_proj.weight.shape[0] // module.head_dim
+            module._hicache_qkv, module._hicache_qkv_bias = _joined(module.q_proj, module.k_proj, module.v_proj)
+            module._hicache_heads = heads
+            module._hicache_norms, module._hicache_eps = _joined_norms(module)
+            module._hicache_plain = module.forward
+            module.forward = types.MethodType(_fused_attention, module)
+            count += 1
+        elif name in MLP_CLASSES and "forward" not in vars(module):
+            act = getattr(getattr(module, "config", None), "hidden_act", None)
+            if act not in _SILU:
+                continue
+            module._hicache_gate_up, module._hicache_gate_up_bias = _joined(module.gate_proj, module.up_proj)
+            module._hicache_plain = module.forward
+            module.forward = types.MethodType(_fused_mlp, module)
             count += 1
     return count

@@ -185,10 +185,13 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     fused_norms: bool | None = None,
+    fused_layers: bool | None = None,
 ) -> torch.nn.Module:
     """A preset name (random weights, fixed seed) or a local checkpoint directory. Nothing
     is downloaded. ``fused_norms``: RMSNorms in one Triton kernel each
-    (:func:`hicache.engine.fused.fuse_norms`); None: on CUDA when Triton is installed.
+    (:func:`hicache.engine.fused.fuse_norms`); ``fused_layers``: joined projections and
+    the attention prologue and MLP activation in one kernel each
+    (:func:`hicache.engine.fused.fuse_layers`); None: on CUDA when Triton is installed.
     ConfigError without transformers (the ``[engine]`` extra)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -219,6 +222,10 @@ def build_model(
         fused_norms = torch.device(device).type == "cuda"
     if fused_norms:
         fused.fuse_norms(net)
+    if fused_layers is None:
+        fused_layers = torch.device(device).type == "cuda"
+    if fused_layers:
+        fused.fuse_layers(net)
     result: torch.nn.Module = net.eval()
     return result
 

@@ -1,4 +1,5 @@
-"""The one-kernel RMSNorm against transformers' formula, and its installation in a model.
+"""The fused kernels (RMSNorm, the attention prologue, the MLP activation) against
+transformers' own code, and their installation in a model.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py) in float32 and float16;
 bfloat16 is checked on CUDA only (the interpreter rounds bfloat16 differently from the GPU).
@@ -7,9 +8,11 @@ bfloat16 is checked on CUDA only (the interpreter rounds bfloat16 differently fr
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hicache.backends.pools import DevicePool
 from hicache.engine import ModelRunner, build_model, fused, kv_geometry
@@ -117,3 +120,173 @@ def test_build_model_fuses_only_where_asked() -> None:
     if fused.HAVE_TRITON:
         forced = build_model("tiny", fused_norms=True)
         assert sum("forward" in vars(m) for m in forced.modules()) == 4 * int(forced.config.num_hidden_layers) + 1  # type: ignore[union-attr, arg-type]
+
+
+# --- the attention prologue (norms, rotary, K/V writes) and the MLP activation --------------
+
+
+@torch.no_grad()
+def _transformers_prologue(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms: torch.Tensor | None, hq: int, h: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values per transformers' own code (its RMSNorm module and
+    ``apply_rotary_pos_emb``), not the module under test's reference."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    n, d = cos.shape
+    q, k, v = torch.split(qkv.view(1, n, hq + 2 * h, d), [hq, h, h], dim=2)
+    if norms is not None:
+        qn, kn = Qwen3RMSNorm(d, eps=1e-6).to(qkv), Qwen3RMSNorm(d, eps=1e-6).to(qkv)
+        qn.weight.data.copy_(norms[0])
+        kn.weight.data.copy_(norms[1])
+        q, k = qn(q), kn(k)
+    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos[None], sin[None])
+    return q.transpose(1, 2)[0], k.transpose(1, 2)[0], v[0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", [True, False], ids=["qwen3-norms", "llama-no-norms"])
+@pytest.mark.parametrize(("hq", "h", "d"), [(4, 2, 16), (8, 8, 32), (32, 8, 128)], ids=str)
+def test_qkv_write_matches_transformers(dtype: torch.dtype, norm: bool, hq: int, h: int, d: int) -> None:
+    """The queries it returns, and the keys and values it writes into the pools, match
+    transformers' norm and rotary embedding within one rounding, the values exactly; slots
+    it was not given keep their bytes."""
+    g = torch.Generator().manual_seed(hq * 7 + d + norm)
+    n = 5
+    qkv = (2 * torch.randn(n, (hq + 2 * h) * d, generator=g)).to(DEVICE, dtype)
+    angles = torch.rand(n, d // 2, generator=g) * 100
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(DEVICE, dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(DEVICE, dtype)
+    norms = torch.randn(2, d, generator=g).to(DEVICE, dtype) if norm else None
+    k_pool = torch.randn(40, h, d, generator=g).to(DEVICE, dtype)
+    v_pool = torch.randn(40, h, d, generator=g).to(DEVICE, dtype)
+    before_k, before_v = k_pool.clone(), v_pool.clone()
+    slots = torch.tensor([3, 39, 0, 17, 4], device=DEVICE)
+    out = fused.qkv_write_triton(qkv, cos, sin, norms, 1e-6, hq, h, k_pool, v_pool, slots)
+    want_q, want_k, want_v = _transformers_prologue(qkv, cos, sin, norms, hq, h)
+    assert out.shape == (n, hq, d) and out.dtype == dtype
+    # a rounding or two of the largest value: the kernel rounds where torch does, but its
+    # rsqrt may differ from torch's in the last bit, which can flip a rounding downstream
+    for got, want in ((out, want_q), (k_pool[slots], want_k)):
+        tol = 4 * torch.finfo(dtype).eps * float(want.abs().max())
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol)
+    assert torch.equal(v_pool[slots], want_v)
+    untouched = torch.ones(40, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(k_pool[untouched], before_k[untouched]) and torch.equal(v_pool[untouched], before_v[untouched])
+
+
+@needs_kernel
+def test_qkv_write_casts_into_the_pools_dtype() -> None:
+    """A pool of another dtype than the model gets the keys and values cast to its own."""
+    n, hq, h, d = 3, 2, 1, 16
+    qkv = torch.randn(n, (hq + 2 * h) * d, device=DEVICE)
+    cos, sin = torch.ones(n, d, device=DEVICE), torch.zeros(n, d, device=DEVICE)  # rotation by 0
+    k_pool = torch.zeros(8, h, d, dtype=torch.float16, device=DEVICE)
+    v_pool = torch.zeros(8, h, d, dtype=torch.float16, device=DEVICE)
+    slots = torch.tensor([1, 2, 5], device=DEVICE)
+    q = fused.qkv_write_triton(qkv, cos, sin, None, 0.0, hq, h, k_pool, v_pool, slots)
+    rows = qkv.view(n, hq + 2 * h, d)
+    assert torch.equal(q, rows[:, :hq])
+    assert torch.equal(k_pool[slots, 0], rows[:, hq].half()) and torch.equal(v_pool[slots, 0], rows[:, hq + 1].half())
+
+
+@pytest.mark.skipif(not fused.HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"qkv": torch.ones(3, 7)}, "qkv"),
+        ({"cos": torch.ones(2, 16)}, "cos/sin"),
+        ({"slots": torch.tensor([0, 1, 2], dtype=torch.int32)}, "slots"),
+        ({"norms": torch.ones(16)}, "norm weights"),
+        ({"v_pool": torch.zeros(8, 2, 16)}, "pools"),
+    ],
+    ids=["qkv-width", "cos-rows", "slots-int32", "norms-1d", "pools-differ"],
+)
+def test_qkv_write_refuses_bad_shapes(change: dict[str, torch.Tensor], match: str) -> None:
+    """A mismatched input is a ConfigError naming it; the pools keep their bytes."""
+    n, hq, h, d = 3, 2, 1, 16
+    args = {
+        "qkv": torch.ones(n, (hq + 2 * h) * d),
+        "cos": torch.ones(n, d),
+        "sin": torch.ones(n, d),
+        "norms": torch.ones(2, d),
+        "k_pool": torch.zeros(8, h, d),
+        "v_pool": torch.zeros(8, h, d),
+        "slots": torch.tensor([0, 1, 2]),
+    }
+    args.update(change)
+    with pytest.raises(ConfigError, match=match):
+        fused.qkv_write_triton(
+            args["qkv"], args["cos"], args["sin"], args["norms"], 1e-6, hq, h, args["k_pool"], args["v_pool"],
+            args["slots"],
+        )  # fmt: skip
+    assert not args["k_pool"].any() and not args["v_pool"].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 2 * 4096), (2, 5, 2 * 100), (1, 2)], ids=str)
+def test_silu_mul_matches_transformers(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """``silu(gate) * up`` as transformers' MLP computes it, within one rounding, for any
+    width (blocks that do not divide it) and leading shape."""
+    g = torch.Generator().manual_seed(shape[-1])
+    gate_up = (4 * torch.randn(shape, generator=g)).to(DEVICE, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = fused.silu_mul_triton(gate_up)
+    assert got.shape == want.shape and got.dtype == dtype
+    tol = 4 * torch.finfo(dtype).eps * float(want.abs().max())  # a rounding or two of the largest value
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol)
+
+
+@pytest.mark.skipif(not fused.HAVE_TRITON, reason="needs triton")
+def test_silu_mul_refuses_an_odd_width() -> None:
+    with pytest.raises(ConfigError, match="gate"):
+        fused.silu_mul_triton(torch.ones(2, 7))
+
+
+@needs_kernel
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_fuse_layers_keeps_the_model_output(model: str) -> None:
+    """A fused model (every attention and MLP patched, the projections' weights views of
+    the joined ones) gives the plain model's logits and writes the same K/V, for a fresh
+    prefill (transformers' path) and for new tokens over a cached context (the fused
+    path), batched."""
+    plain = build_model(model, device=DEVICE, fused_layers=False)
+    net = build_model(model, device=DEVICE, fused_layers=False)
+    layers = int(net.config.num_hidden_layers)  # type: ignore[union-attr, arg-type]
+    assert fused.fuse_layers(net) == 2 * layers
+    assert fused.fuse_layers(net) == 0  # patched once
+    attns: list[Any] = [m for m in net.modules() if type(m).__name__ in fused.ATTENTION_CLASSES]
+    assert len(attns) == layers
+    for attn in attns:
+        joined = attn._hicache_qkv
+        assert attn.q_proj.weight.data_ptr() == joined.data_ptr()
+        assert attn.v_proj.weight.untyped_storage().data_ptr() == joined.untyped_storage().data_ptr()
+    for a, b in zip(plain.parameters(), net.parameters(), strict=True):
+        assert torch.equal(a, b)
+    pools = []
+    outs = []
+    for m in (plain, net):
+        pool = DevicePool.allocate(kv_geometry(m, 4), 12, DEVICE)
+        pool.buffer.zero_()
+        run = ModelRunner(m, pool, attention="paged")
+        first = run.forward([([5, 17, 3, 99, 42, 7, 8], [0, 1], 0), ([9, 1, 2, 3, 4, 6, 10], [2, 3], 0)])
+        second = run.forward([([11, 12, 13], [0, 1, 4], 7), ([13, 14, 15], [2, 3, 5], 7)])
+        outs.append((first, second))
+        pools.append(pool.buffer.clone())
+    tol = 1e-4 if CUDA else 1e-5  # float32; on CUDA the joined GEMMs may pick other kernels
+    for x, y in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+    torch.testing.assert_close(pools[0], pools[1], rtol=tol, atol=tol)
+
+
+def test_build_model_fuses_layers_only_where_asked() -> None:
+    """``fused_layers=None`` fuses on CUDA only; True patches on any device."""
+    plain = build_model("tiny")
+    assert not any(hasattr(m, "_hicache_plain") for m in plain.modules())
+    if fused.HAVE_TRITON:
+        forced = build_model("tiny", fused_layers=True)
+        assert sum(hasattr(m, "_hicache_plain") for m in forced.modules()) == 2 * int(forced.config.num_hidden_layers)  # type: ignore[union-attr, arg-type]
