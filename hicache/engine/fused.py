@@ -218,20 +218,20 @@ if HAVE_TRITON:
             # x * cos + rotate_half(x) * sin, each product and the sum rounded as torch does
             o1 = ((a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)).to(dtype)
             o2 = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+            # NOTE: one name per pointer type: a name bound in both branches of a runtime
+            # `if` must have one type, and the pools' dtype may differ from the queries'
             if head < HQ:
-                dst = q_out_ptr + (row * HQ + head) * HEAD_DIM
-                tl.store(dst + d, o1)
-                tl.store(dst + HALF + d, o2)
+                q_dst = q_out_ptr + (row * HQ + head) * HEAD_DIM
+                tl.store(q_dst + d, o1)
+                tl.store(q_dst + HALF + d, o2)
             else:
-                slot = tl.load(slots_ptr + row)
-                dst = k_ptr + slot * sk_slot + (head - HQ) * sk_h
-                tl.store(dst + d, o1.to(k_ptr.dtype.element_ty))
-                tl.store(dst + HALF + d, o2.to(k_ptr.dtype.element_ty))
+                k_dst = k_ptr + tl.load(slots_ptr + row) * sk_slot + (head - HQ) * sk_h
+                tl.store(k_dst + d, o1.to(k_ptr.dtype.element_ty))
+                tl.store(k_dst + HALF + d, o2.to(k_ptr.dtype.element_ty))
         else:  # a value head: into the pool as it is
-            slot = tl.load(slots_ptr + row)
-            dst = v_ptr + slot * sv_slot + (head - HQ - H) * sv_h
-            tl.store(dst + d, x1.to(v_ptr.dtype.element_ty))
-            tl.store(dst + HALF + d, x2.to(v_ptr.dtype.element_ty))
+            v_dst = v_ptr + tl.load(slots_ptr + row) * sv_slot + (head - HQ - H) * sv_h
+            tl.store(v_dst + d, x1.to(v_ptr.dtype.element_ty))
+            tl.store(v_dst + HALF + d, x2.to(v_ptr.dtype.element_ty))
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, N, BLOCK: tl.constexpr):

@@ -8,6 +8,8 @@ bfloat16 is checked on CUDA only (the interpreter rounds bfloat16 differently fr
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -290,3 +292,49 @@ def test_build_model_fuses_layers_only_where_asked() -> None:
     if fused.HAVE_TRITON:
         forced = build_model("tiny", fused_layers=True)
         assert sum(hasattr(m, "_hicache_plain") for m in forced.modules()) == 2 * int(forced.config.num_hidden_layers)  # type: ignore[union-attr, arg-type]
+
+
+
+_COMPILE = """
+import sys
+import torch
+from triton import compile as triton_compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hicache.engine import fused
+
+TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)]
+hopper = GPUTarget("cuda", 90, 32)
+for model, pool in PAIRS:
+    m, p = TYPES[model], TYPES[pool]
+    for norm in (True, False):
+        signature = {
+            **dict.fromkeys(["qkv_ptr", "cos_ptr", "sin_ptr", "nw_ptr", "q_out_ptr"], m),
+            **dict.fromkeys(["k_ptr", "v_ptr"], p),
+            "slots_ptr": "*i64",
+            **dict.fromkeys(["stride_qkv", "sk_slot", "sk_h", "sv_slot", "sv_h"], "i32"),
+            "eps": "fp32",
+            **dict.fromkeys(["HQ", "H", "HEAD_DIM", "NORM"], "constexpr"),
+        }
+        consts = {"HQ": 32, "H": 8, "HEAD_DIM": 128, "NORM": norm}
+        triton_compile(ASTSource(fn=fused._qkv_write_kernel, signature=signature, constexprs=consts), target=hopper)
+    signature = {"gu_ptr": m, "out_ptr": m, "stride_gu": "i32", "stride_out": "i32", "N": "i32", "BLOCK": "constexpr"}
+    triton_compile(ASTSource(fn=fused._silu_mul_kernel, signature=signature, constexprs={"BLOCK": 1024}), target=hopper)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(not fused.HAVE_TRITON, reason="needs triton")
+def test_kernels_compile_for_the_gpu() -> None:
+    """The kernels compile for an H100/H200 (sm_90), in float32, bfloat16 and a float16
+    pool under a float32 model, with and without norms, on a machine without a GPU: the
+    CPU interpreter runs code the GPU compiler refuses (a name bound to pointers of two
+    types in the branches of a runtime ``if``, for one). In a process of its own, without
+    ``TRITON_INTERPRET`` (under it a kernel cannot be compiled)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    if "No module named 'triton.backends.compiler'" in done.stderr or "cannot import name" in done.stderr:
+        pytest.skip(f"this Triton has no ahead-of-time compile API: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
