@@ -253,8 +253,10 @@ def test_refuses_symlinks_foreign_layouts_and_bad_places(tmp_path: Path) -> None
         dir_store(afile)
     dir_store(real).close()
     (real / "FORMAT").write_text("hicache-dir-store 1\nbytes_per_page 12345\n")
-    with pytest.raises(ConfigError, match="another layout"):
+    with pytest.raises(ConfigError, match="another layout") as bad:
         dir_store(real)
+    message = str(bad.value)  # one readable line: both layouts named, no escaped newlines
+    assert "bytes_per_page 12345" in message and "\\n" not in message and "\n" not in message
 
 
 def test_a_symlink_named_like_a_page_is_not_followed(tmp_path: Path) -> None:

@@ -141,9 +141,11 @@ class DirStore:
         finally:
             os.close(fd)
         if have != want:
+            said = "; ".join(have.split("\n")).strip("; ")[:200]  # one line, whatever the file holds
+            need = "; ".join(want.split("\n")).strip("; ")
             raise ConfigError(
-                f"L3 directory {self.path} holds pages of another layout ({have.strip()!r}, we need "
-                f"{want.strip()!r}); give another directory"
+                f"L3 directory {self.path} holds pages of another layout ({said!r}, we need {need!r}); "
+                "give another directory"
             )
 
     def _scan(self) -> None:
