@@ -310,18 +310,21 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], n)
 
 
-def _joined(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _joined(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One weight (and bias) for ``linears`` side by side (rows stacked); each module's own
-    weight becomes a view of it, so the model holds the bytes once."""
-    weight = torch.cat([m.weight.detach() for m in linears])
+    weight becomes a view of it, so the model holds the bytes once. None (nothing changed)
+    where some have a bias and some not."""
     biases = [m.bias for m in linears]
-    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     at = 0
     for m in linears:
         rows = m.weight.shape[0]
-        m.weight = torch.nn.Parameter(weight[at : at + rows], requires_grad=False)
+        m.weight = torch.nn.Parameter(weight[at : at + rows], requires_grad=m.weight.requires_grad)
         if bias is not None:
-            m.bias = torch.nn.Parameter(bias[at : at + rows], requires_grad=False)
+            m.bias = torch.nn.Parameter(bias[at : at + rows], requires_grad=m.bias.requires_grad)
         at += rows
     return weight, bias
 
@@ -333,9 +336,42 @@ def _joined_norms(attn: Any) -> tuple[torch.Tensor | None, float]:
     if q_norm is None or k_norm is None:
         return None, 0.0
     weights = torch.stack([q_norm.weight.detach(), k_norm.weight.detach()])
-    q_norm.weight = torch.nn.Parameter(weights[0], requires_grad=False)
-    k_norm.weight = torch.nn.Parameter(weights[1], requires_grad=False)
+    q_norm.weight = torch.nn.Parameter(weights[0], requires_grad=q_norm.weight.requires_grad)
+    k_norm.weight = torch.nn.Parameter(weights[1], requires_grad=k_norm.weight.requires_grad)
     return weights, float(q_norm.variance_epsilon)
+
+
+def _intact(joined: torch.Tensor | None, parts: list[torch.Tensor | None]) -> bool:
+    """``parts`` are still views of ``joined``, side by side in order: nothing was rebound
+    (``load_state_dict(assign=True)``, a copy), moved or cast since fusing."""
+    if joined is None:
+        return all(p is None for p in parts)
+    at, size = joined.data_ptr(), joined.element_size()
+    for p in parts:
+        if p is None or p.data_ptr() != at or p.dtype != joined.dtype or p.device != joined.device:
+            return False
+        at += p.numel() * size
+    return True
+
+
+def _unfuse(module: Any) -> Any:
+    """Back to transformers' code for good, the joined copies dropped: the module's weights
+    are no longer views of them. Returns its plain forward."""
+    plain = module._hicache_plain
+    for name in [n for n in vars(module) if n.startswith("_hicache_")]:
+        delattr(module, name)
+    del module.forward  # the instance's: the class's own forward again
+    return plain
+
+
+def _attention_intact(attn: Any) -> bool:
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    norms = [attn.q_norm.weight, attn.k_norm.weight] if attn._hicache_norms is not None else []
+    return (
+        _intact(attn._hicache_qkv, [q.weight, k.weight, v.weight])
+        and _intact(attn._hicache_qkv_bias, [q.bias, k.bias, v.bias])
+        and (attn._hicache_norms is None or _intact(attn._hicache_norms, norms))
+    )
 
 
 def _fused_attention(
@@ -346,6 +382,8 @@ def _fused_attention(
     *args: Any,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    if not _attention_intact(self):
+        return _unfuse(self)(hidden_states, position_embeddings, attention_mask, *args, **kwargs)  # type: ignore[no-any-return]
     batch = kwargs.get("hicache_batch")
     if (
         batch is None
@@ -378,6 +416,12 @@ def _fused_attention(
 
 
 def _fused_mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj, self.up_proj
+    if not (
+        _intact(self._hicache_gate_up, [gate.weight, up.weight])
+        and _intact(self._hicache_gate_up_bias, [gate.bias, up.bias])
+    ):
+        return _unfuse(self)(x)  # type: ignore[no-any-return]
     if not _kernels_run(x) or self._hicache_gate_up.device != x.device or self._hicache_gate_up.dtype != x.dtype:
         return self._hicache_plain(x)  # type: ignore[no-any-return]
     gate_up = F.linear(x, self._hicache_gate_up, self._hicache_gate_up_bias)
@@ -395,9 +439,12 @@ def fuse_layers(net: torch.nn.Module) -> int:
     * the MLP (classes in :data:`MLP_CLASSES` with a SiLU gate): one GEMM for the gate and
       up projections, then :func:`silu_mul_triton`, on every forward where Triton runs.
 
-    The projections' weights become views of the joined ones (no second copy). Returns how
-    many modules were patched; a no-op without Triton. Move the model before fusing: a
-    module moved afterwards runs transformers' code."""
+    The projections' weights become views of the joined ones (no second copy). An attention
+    whose head dim is not a power of two, or whose projections have a bias only in part,
+    stays as it is. Returns how many modules were patched; a no-op without Triton. Fuse
+    after moving and loading the model: a module whose weights are later rebound, moved or
+    cast (no longer views of the joined ones) goes back to transformers' code at its next
+    forward and drops the joined copies; in-place loads (``load_state_dict``) keep it fused."""
     if not HAVE_TRITON:
         return 0
     count = 0
@@ -405,9 +452,14 @@ def fuse_layers(net: torch.nn.Module) -> int:
         module: Any = each  # transformers' modules: attributes by family
         name = type(module).__name__
         if name in ATTENTION_CLASSES and "forward" not in vars(module) and hasattr(module, "o_proj"):
-            heads = module.q_proj.weight.shape[0] // module.head_dim
-            module._hicache_qkv, module._hicache_qkv_bias = _joined(module.q_proj, module.k_proj, module.v_proj)
-            module._hicache_heads = heads
+            d = int(module.head_dim)
+            if d < 2 or d & (d - 1):  # the prologue kernel's rows are powers of two
+                continue
+            joined = _joined(module.q_proj, module.k_proj, module.v_proj)
+            if joined is None:
+                continue
+            module._hicache_qkv, module._hicache_qkv_bias = joined
+            module._hicache_heads = module.q_proj.weight.shape[0] // d
             module._hicache_norms, module._hicache_eps = _joined_norms(module)
             module._hicache_plain = module.forward
             module.forward = types.MethodType(_fused_attention, module)
@@ -416,7 +468,10 @@ def fuse_layers(net: torch.nn.Module) -> int:
             act = getattr(getattr(module, "config", None), "hidden_act", None)
             if act not in _SILU:
                 continue
-            module._hicache_gate_up, module._hicache_gate_up_bias = _joined(module.gate_proj, module.up_proj)
+            joined = _joined(module.gate_proj, module.up_proj)
+            if joined is None:
+                continue
+            module._hicache_gate_up, module._hicache_gate_up_bias = joined
             module._hicache_plain = module.forward
             module.forward = types.MethodType(_fused_mlp, module)
             count += 1

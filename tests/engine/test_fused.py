@@ -338,3 +338,79 @@ def test_kernels_compile_for_the_gpu() -> None:
     if "No module named 'triton.backends.compiler'" in done.stderr or "cannot import name" in done.stderr:
         pytest.skip(f"this Triton has no ahead-of-time compile API: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def _custom(**spec: Any) -> Any:
+    """A tiny Qwen3 of another shape, random weights (fixed seed), over the paged attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hicache.engine import model as engine_model
+
+    engine_model._register()
+    shape = {k: v for k, v in engine_model.PRESETS["tiny"].items() if k != "model_type"}
+    config = AutoConfig.for_model("qwen3", **{**shape, **spec})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=engine_model.ATTENTION).eval()
+
+
+_STEPS = [
+    [([5, 17, 3, 99, 42, 7, 8], [0, 1], 0), ([9, 1, 2, 3, 4, 6, 10], [2, 3], 0)],
+    [([11, 12, 13], [0, 1, 4], 7), ([13, 14, 15], [2, 3, 5], 7)],
+]
+
+
+def _served(net: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Logits of a fresh prefill then of tokens over the cached context, and the pool after."""
+    pool = DevicePool.allocate(kv_geometry(net, 4), 12, "cpu")
+    pool.buffer.zero_()
+    run = ModelRunner(net, pool, attention="paged")
+    return [run.forward(step) for step in _STEPS], pool.buffer.clone()
+
+
+def _assert_same(a: tuple[list[torch.Tensor], torch.Tensor], b: tuple[list[torch.Tensor], torch.Tensor]) -> None:
+    for x, y in zip(a[0], b[0], strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.skipif(CUDA, reason="CPU models under the Triton interpreter")
+def test_an_attention_the_kernel_cannot_take_stays_as_transformers_wrote_it() -> None:
+    """A head dim that is not a power of two (Llama-family checkpoints of head dim 80, 96 or
+    100) leaves the attention unpatched, the MLP fused, the output the plain model's; so
+    does a projection with a bias where the others have none."""
+    plain = _custom(hidden_size=96, head_dim=24)
+    net = _custom(hidden_size=96, head_dim=24)
+    assert fused.fuse_layers(net) == 2  # the two MLPs
+    assert not any(hasattr(m, "_hicache_qkv") for m in net.modules())
+    _assert_same(_served(plain), _served(net))
+    partial: Any = _custom()
+    attn = partial.model.layers[0].self_attn
+    attn.k_proj.bias = torch.nn.Parameter(torch.zeros(attn.k_proj.weight.shape[0]))
+    before = attn.q_proj.weight
+    assert fused.fuse_layers(partial) == 3  # the other attention and both MLPs
+    assert "forward" not in vars(attn) and attn.q_proj.weight is before
+
+
+@needs_kernel
+@pytest.mark.skipif(CUDA, reason="CPU models under the Triton interpreter")
+@pytest.mark.parametrize("how", ["assign", "in-place", "cast"])
+def test_weights_changed_after_fusing_are_the_weights_served(how: str) -> None:
+    """Weights loaded into a fused model in place keep it fused; weights rebound
+    (``load_state_dict(assign=True)``) or cast make each module go back to transformers'
+    code, the joined copies dropped. Either way the logits and the K/V are those of a plain
+    model with the same weights: never the joined copies' stale ones."""
+    net = _custom()
+    fused.fuse_layers(net)
+    torch.manual_seed(1)
+    new = {k: torch.randn_like(v) for k, v in _custom().state_dict().items()}
+    plain = _custom()
+    if how == "cast":
+        net, plain = net.half(), plain.half()
+    else:
+        net.load_state_dict(new, assign=how == "assign")
+        plain.load_state_dict(new)
+    _assert_same(_served(plain), _served(net))
+    still_fused = sum(hasattr(m, "_hicache_plain") for m in net.modules())
+    assert still_fused == (4 if how == "in-place" else 0)
+    assert all(p.requires_grad for p in net.parameters())  # fusing leaves it as it was
