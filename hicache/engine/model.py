@@ -199,6 +199,9 @@ def build_model(
         need = "pip install 'hicache[engine]'"
         raise ConfigError(f"the reference engine's models need the [engine] extra: {need} ({exc})") from None
 
+    for name, flag in (("fused_norms", fused_norms), ("fused_layers", fused_layers)):
+        if flag is not None and not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True, False or None (on CUDA), got {flag!r}")
     _register()
     if model in PRESETS:
         spec = dict(PRESETS[model])

@@ -414,3 +414,12 @@ def test_weights_changed_after_fusing_are_the_weights_served(how: str) -> None:
     still_fused = sum(hasattr(m, "_hicache_plain") for m in net.modules())
     assert still_fused == (4 if how == "in-place" else 0)
     assert all(p.requires_grad for p in net.parameters())  # fusing leaves it as it was
+
+
+@pytest.mark.parametrize("flag", ["fused_norms", "fused_layers"])
+@pytest.mark.parametrize("value", ["yes", 1, 0.0], ids=repr)
+def test_build_model_refuses_a_fusion_flag_that_is_not_a_bool(flag: str, value: object) -> None:
+    """A fusion flag other than True, False or None is a ConfigError naming it (1 and "yes"
+    would have read as True)."""
+    with pytest.raises(ConfigError, match=flag):
+        build_model("tiny", **{flag: value})  # type: ignore[arg-type]
