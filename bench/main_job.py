@@ -22,9 +22,28 @@ HERE = Path(__file__).resolve().parent
 BENCHES = {"bench_hicache.py": bench_hicache.parser, "bench_hicache_stress.py": bench_hicache_stress.parser}
 
 
+def _takes(nargs: int | str | None, count: int) -> bool:
+    """An option of argparse ``nargs`` accepts ``count`` values."""
+    if nargs is None:
+        return count == 1
+    if nargs == "?":
+        return count <= 1
+    if nargs == "+":
+        return count >= 1
+    if nargs == "*":
+        return True
+    return isinstance(nargs, int) and count == nargs
+
+
+def _values(count: int) -> str:
+    return "no value" if count == 0 else "one value" if count == 1 else f"{count} values"
+
+
 def route(argv: list[str], parsers: Mapping[str, argparse.ArgumentParser]) -> dict[str, list[str]]:
-    """``argv`` split per benchmark: each option, with its values, to every parser that has
-    it. ValueError (naming the option) for one no parser has or a bare value."""
+    """``argv`` split per benchmark: each option, with its values (the tokens up to the next
+    ``--``), to every parser that has it. ValueError, naming the option, for one no parser
+    has, a bare value, or values some parser that has the option would refuse (``--prefix-tokens
+    350 3500``: the stress benchmark takes one), so nothing runs only to fail half-way."""
     out: dict[str, list[str]] = {name: [] for name in parsers}
     i = 0
     while i < len(argv):
@@ -35,16 +54,21 @@ def route(argv: list[str], parsers: Mapping[str, argparse.ArgumentParser]) -> di
         owners = [n for n, p in parsers.items() if flag in p._option_string_actions]
         if not owners:
             raise ValueError(f"{flag}: no benchmark has this option")
-        nargs = parsers[owners[0]]._option_string_actions[flag].nargs
         j = i + 1
-        if "=" not in token:
-            if nargs in (None, 1):
+        if "=" in token:
+            count = 1
+        else:
+            while j < len(argv) and not argv[j].startswith("--"):
                 j += 1
-            elif nargs in ("+", "*"):
-                while j < len(argv) and not argv[j].startswith("--"):
-                    j += 1
-            elif isinstance(nargs, int):
-                j += nargs
+            count = j - i - 1
+        takers = [n for n in owners if _takes(parsers[n]._option_string_actions[flag].nargs, count)]
+        for name in owners:
+            if name in takers:
+                continue
+            nargs = parsers[name]._option_string_actions[flag].nargs
+            wants = "several values" if nargs in ("+", "*") else _values(1 if nargs in (None, "?") else int(nargs or 0))
+            alone = f" ({', '.join(takers)} does: run it alone for that)" if takers else ""
+            raise ValueError(f"{' '.join(argv[i:j])}: {name} takes {wants} after {flag}{alone}")
         for name in owners:
             out[name].extend(argv[i:j])
         i = j

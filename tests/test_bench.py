@@ -261,6 +261,29 @@ def test_the_main_job_routes_each_option_to_the_benchmarks_that_have_it() -> Non
             main_job.route(bad, parsers)
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--prefix-tokens", "350", "3500"], "bench_hicache_stress.py takes one value after --prefix-tokens"),
+        (["--out"], "--out: bench_hicache.py takes one value after --out"),
+        (["--no-rotation", "x"], "--no-rotation x: bench_hicache_stress.py takes no value"),
+        (["--out", "/tmp/x", "--tiers"], "--tiers: bench_hicache.py takes several values"),
+    ],
+    ids=["several-for-one", "out-without-value", "value-for-a-switch", "tiers-without-values"],
+)
+def test_the_main_job_refuses_values_a_benchmark_would_refuse(argv: list[str], says: str) -> None:
+    """Values one of the benchmarks would refuse are an error naming it before anything
+    runs (``--prefix-tokens 350 3500`` ran the latency benchmark, then failed in the stress
+    one); the same option with one value goes to both."""
+    import main_job
+
+    parsers = {name: make() for name, make in main_job.BENCHES.items()}
+    with pytest.raises(ValueError, match=says):
+        main_job.route(argv, parsers)
+    split = main_job.route(["--prefix-tokens", "350"], parsers)
+    assert split == {name: ["--prefix-tokens", "350"] for name in parsers}
+
+
 def test_the_main_job_refuses_an_unknown_option_in_one_line() -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "main_job.py"), "--bogus", "1"],
