@@ -136,7 +136,7 @@ def test_restored_requests_give_the_l1_hit_logits_exactly() -> None:
     and tokens of the same request served from an L1 hit (the prefix bytes are identical);
     against a full recompute in float32 they agree to a tight tolerance."""
     e = engine()
-    prompt = [random.Random(1).randrange(512) for _ in range(50)]
+    prompt = random.Random(1).choices(range(512), k=50)
     first = e.generate(prompt, max_new_tokens=4)
     e.cache.drain()
     l1 = e.generate(prompt, max_new_tokens=4)
@@ -167,7 +167,7 @@ def test_layered_restore_serves_l1_hit_logits_and_a_torn_restore_recomputes() ->
     garbage in its pages discards those logits: the request recomputes, equal to a cold
     run. Nothing leaks either way."""
     e = engine(layered_restore=True)
-    prompt = [random.Random(4).randrange(512) for _ in range(50)]
+    prompt = random.Random(4).choices(range(512), k=50)
     cold = e.generate(prompt, max_new_tokens=4)
     e.cache.drain()
     l1 = e.generate(prompt, max_new_tokens=4)
@@ -201,7 +201,7 @@ def test_layered_restore_serves_l1_hit_logits_and_a_torn_restore_recomputes() ->
 
 def test_abort_during_a_layered_restore_leaks_nothing() -> None:
     e = engine(layered_restore=True)
-    prompt = [random.Random(6).randrange(512) for _ in range(40)]
+    prompt = random.Random(6).choices(range(512), k=40)
     e.generate(prompt)
     e.cache.drain()
     e.cache.core.evict(Tier.L1, 10**6)
@@ -569,7 +569,7 @@ def _in_l2_only(seed: int) -> tuple[Engine, list[int], Output]:
     """An engine that served a 50-token prompt once (its output returned) and holds its
     prefix in L2 only."""
     e = engine(max_batch=4)
-    prompt = [random.Random(seed).randrange(512) for _ in range(50)]
+    prompt = random.Random(seed).choices(range(512), k=50)
     first = e.generate(prompt, max_new_tokens=3)
     e.cache.drain()
     e.cache.core.evict(Tier.L1, 10**6)
@@ -610,7 +610,7 @@ def test_without_decode_a_restore_starts_before_the_steps_forward(monkeypatch: p
     """Nothing decoding: the admitted restore starts at once, before any forward of the
     step (no batch to hide it behind, none to delay it)."""
     e = engine()
-    prompt = [random.Random(8).randrange(512) for _ in range(50)]
+    prompt = random.Random(8).choices(range(512), k=50)
     e.generate(prompt, max_new_tokens=2)
     e.cache.drain()
     e.cache.core.evict(Tier.L1, 10**6)
@@ -665,7 +665,7 @@ def test_an_exception_escaping_a_restore_start_leaves_the_others_to_recompute(
     left waiting for a restore that never comes: both finish, recomputed, with the tokens
     of their first runs, and the cache stays consistent."""
     e = engine(max_batch=4)
-    prompts = [[random.Random(seed).randrange(512) for _ in range(50)] for seed in (1, 2)]
+    prompts = [random.Random(seed).choices(range(512), k=50) for seed in (1, 2)]
     first = [e.generate(p, max_new_tokens=2) for p in prompts]
     e.cache.drain()
     e.cache.core.evict(Tier.L1, 10**6)
@@ -686,7 +686,7 @@ def test_an_exception_escaping_admission_leaves_the_request_waiting(monkeypatch:
     """``cache.admit`` raising something that is not the request's failure escapes the step;
     the request was not admitted, so it waits again and is served by the next steps."""
     e = engine()
-    prompt = [random.Random(5).randrange(512) for _ in range(30)]
+    prompt = random.Random(5).choices(range(512), k=30)
     want = e.generate(prompt, max_new_tokens=2)
     _raise_once(monkeypatch, e, "admit")
     rid = e.submit(prompt, max_new_tokens=2)

@@ -8,6 +8,7 @@ bfloat16 is checked on CUDA only (the interpreter rounds bfloat16 differently fr
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from typing import Any
@@ -423,3 +424,54 @@ def test_build_model_refuses_a_fusion_flag_that_is_not_a_bool(flag: str, value: 
     would have read as True)."""
     with pytest.raises(ConfigError, match=flag):
         build_model("tiny", **{flag: value})  # type: ignore[arg-type]
+
+
+@needs_kernel
+@pytest.mark.skipif(CUDA, reason="CPU models under the Triton interpreter")
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_an_engine_over_fused_layers_serves_restores_like_its_l1_hits(
+    monkeypatch: pytest.MonkeyPatch, write_policy: str
+) -> None:
+    """The engine as it runs on a GPU (fused layers, the paged kernel), prompts around a page
+    boundary (1, 3, 4, 5 and 9 tokens, pages of 4), under either write policy: a request
+    restored from L2 gives exactly the logits and tokens of its L1 hit, and within float32
+    those of an engine over transformers' layers; nothing leaks."""
+    from hicache.engine import Engine
+    from hicache.engine import engine as engine_module
+    from hicache.spec.model import Tier
+    from tests.engine.test_request_edges import drop  # L1 through the cache: write_back backs up first
+
+    build = engine_module.build_model
+
+    def served(fuse: bool) -> list[tuple[Any, ...]]:
+        monkeypatch.setattr(
+            engine_module, "build_model", lambda *a, **k: build(*a, **{**k, "fused_layers": fuse})
+        )
+        e = Engine(
+            "tiny", device="cpu", page_size=4, num_pages=64, enable_hicache=True, l2_pages=64,
+            policy="always", transfer_backend="torch", attention="paged", write_policy=write_policy,
+        )  # fmt: skip
+        assert sum(hasattr(m, "_hicache_plain") for m in e.runner.net.modules()) == (4 if fuse else 0)
+        rows = []
+        for n in (1, 3, 4, 5, 9):
+            prompt = random.Random(n).choices(range(512), k=n)
+            e.generate(prompt, max_new_tokens=2)
+            e.cache.drain()
+            l1 = e.generate(prompt, max_new_tokens=3)
+            drop(e, Tier.L1)
+            l2 = e.generate(prompt, max_new_tokens=3)
+            assert l2.cached_tokens == l1.cached_tokens == n // 4 * 4, (n, l1, l2)
+            if l1.cached_tokens:  # a whole page cached: restored
+                assert (l1.restored_from, l2.restored_from) == ("L1", "L2"), (n, l1, l2)
+            assert l1.first_logits is not None and l2.first_logits is not None
+            assert torch.equal(l2.first_logits, l1.first_logits) and l2.tokens == l1.tokens
+            rows.append((l2.first_logits, l2.tokens))
+        st = e.cache.status()
+        assert st.requests == 0 and st.core.leases == 0
+        e.cache.check_integrity()
+        e.close()
+        return rows
+
+    for (a, ta), (b, tb) in zip(served(True), served(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert ta == tb
