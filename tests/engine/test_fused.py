@@ -441,7 +441,7 @@ def test_an_engine_over_fused_layers_serves_restores_like_its_l1_hits(
     from hicache.spec.model import Tier
     from tests.engine.test_request_edges import drop  # L1 through the cache: write_back backs up first
 
-    build = engine_module.build_model
+    build = build_model  # what the engine calls, by that name
 
     def served(fuse: bool) -> list[tuple[Any, ...]]:
         monkeypatch.setattr(
