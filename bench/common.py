@@ -60,12 +60,13 @@ def at_least(low: int) -> Callable[[str], int]:
     ZeroDivisionError or an empty statistic long after the flag was read)."""
 
     def parse(text: str) -> int:
+        shown = text if text and " " not in text else repr(text)  # "VALUE: reason", as the engine's flags
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError("not an integer") from None
+            raise argparse.ArgumentTypeError(f"{shown}: not an integer") from None
         if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}")
+            raise argparse.ArgumentTypeError(f"{shown}: must be at least {low}")
         return value
 
     parse.__name__ = f"int >= {low}"

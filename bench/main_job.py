@@ -66,7 +66,13 @@ def route(argv: list[str], parsers: Mapping[str, argparse.ArgumentParser]) -> di
             if name in takers:
                 continue
             nargs = parsers[name]._option_string_actions[flag].nargs
-            wants = "several values" if nargs in ("+", "*") else _values(1 if nargs in (None, "?") else int(nargs or 0))
+            wants = (
+                "one or more values"
+                if nargs == "+"
+                else "any number of values"
+                if nargs == "*"
+                else _values(1 if nargs in (None, "?") else int(nargs or 0))
+            )
             alone = f" ({', '.join(takers)} does: run it alone for that)" if takers else ""
             raise ValueError(f"{' '.join(argv[i:j])}: {name} takes {wants} after {flag}{alone}")
         for name in owners:

@@ -7,5 +7,6 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 (cd "$ROOT" && bash scripts/setup.sh)
-# NOTE: run from the caller's directory, so a relative --out means what the caller meant.
-"$ROOT/.venv/bin/python" "$ROOT/bench/main_job.py" "$@"
+# NOTE: run from the caller's directory, so a relative --out means what the caller meant;
+# unbuffered, so progress shows as it happens when the output goes to a pipe or a log.
+PYTHONUNBUFFERED=1 "$ROOT/.venv/bin/python" "$ROOT/bench/main_job.py" "$@"

@@ -97,6 +97,11 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["--hicache-storage-backend-extra-config", '{"protocol":5}'],
             'error: --hicache-storage-backend-extra-config {"protocol":5}: protocol must be a string, got 5',
         ),
+        (
+            [*l3, "--hicache-storage-backend", "mooncake"],  # the config it needs not given: named alone, no "None"
+            "error: --hicache-storage-backend-extra-config: mooncake extra config needs master_server_address "
+            "('host:port')",
+        ),
         (["--frobnicate"], "error: unrecognized arguments: --frobnicate"),
         (["--hicache-rat", "2"], "error: unrecognized arguments: --hicache-rat 2"),
         (

@@ -43,7 +43,9 @@ class FlagError(ConfigError):
     """A flag's value is unusable; the message reads ``--flag VALUE: reason``."""
 
     def __init__(self, flag: str | None, value: object, reason: str) -> None:
-        super().__init__(f"{flag} {_show(value)}: {reason}" if flag else reason)
+        # NOTE: a flag that was not given (value None) is named alone: "--flag: reason"
+        shown = f"{flag}: {reason}" if value is None else f"{flag} {_show(value)}: {reason}"
+        super().__init__(shown if flag else reason)
         self.flag, self.value, self.reason = flag, value, reason
 
 
