@@ -428,12 +428,12 @@ def test_build_model_refuses_a_fusion_flag_that_is_not_a_bool(flag: str, value: 
 
 @needs_kernel
 @pytest.mark.skipif(CUDA, reason="CPU models under the Triton interpreter")
-@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective", "write_back"])
 def test_an_engine_over_fused_layers_serves_restores_like_its_l1_hits(
     monkeypatch: pytest.MonkeyPatch, write_policy: str
 ) -> None:
     """The engine as it runs on a GPU (fused layers, the paged kernel), prompts around a page
-    boundary (1, 3, 4, 5 and 9 tokens, pages of 4), under either write policy: a request
+    boundary (1, 3, 4, 5 and 9 tokens, pages of 4), under every write policy: a request
     restored from L2 gives exactly the logits and tokens of its L1 hit, and within float32
     those of an engine over transformers' layers; nothing leaks."""
     from hicache.engine import Engine
@@ -458,6 +458,7 @@ def test_an_engine_over_fused_layers_serves_restores_like_its_l1_hits(
             e.generate(prompt, max_new_tokens=2)
             e.cache.drain()
             l1 = e.generate(prompt, max_new_tokens=3)
+            e.generate(prompt, max_new_tokens=3)  # a second hit: write_through_selective backs it up
             drop(e, Tier.L1)
             l2 = e.generate(prompt, max_new_tokens=3)
             assert l2.cached_tokens == l1.cached_tokens == n // 4 * 4, (n, l1, l2)
