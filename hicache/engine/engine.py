@@ -19,11 +19,12 @@ One scheduler thread owns everything. Each :meth:`Engine.step`:
    row a waiting decode batch goes first (a stream of arrivals must not starve decode).
    Decode time spent while restores are pending is reported with ``note_decode``: that is
    the restore time hidden behind useful work. The restores admitted in this step start
-   right before the forward, or, when it is a decode batch, right after it is launched and
-   before its tokens are read: their host work (issuing the copy, launching a layered
-   prefill) then runs while the device decodes instead of before it. They are issued behind
-   a mark taken before the batch's launch (:meth:`~hicache.engine.model.ModelRunner.after`),
-   so their copies and layered forwards run beside the batch, not queued behind it.
+   right after the step's forward (a prefill or a decode batch) is launched and before its
+   tokens are read: their host work (issuing the copy, launching a layered prefill) then runs
+   while the device computes instead of before it. They are issued behind a mark taken
+   before the forward's launch (:meth:`~hicache.engine.model.ModelRunner.after`), so their
+   copies and layered forwards run beside it, not queued behind it. With no forward to run
+   in the step, they start at once.
 
 Without ``enable_hicache`` the engine keeps its L1 prefix cache (policy ``never``, no L2/L3)
 and no transfer ever runs.
@@ -155,6 +156,7 @@ class EngineStats:
     idle_s_while_restoring: float = 0.0  # nothing else to run: waiting for the copy
     restore_issue_s: float = 0.0  # host time starting restores (and launching layered prefills)
     restore_issue_s_beside_decode: float = 0.0  # the part of it spent while a decode batch ran
+    restore_issue_s_beside_prefill: float = 0.0  # ... while another request's prefill ran
     layered_launch_s: float = 0.0  # the part of it launching layered prefills
     restores_started: int = 0
     restores_failed: int = 0
@@ -433,17 +435,20 @@ class Engine:
         ready = next((s for s in self._active.values() if s.state is SeqState.READY), None)
         decoding = [s for s in self._active.values() if s.state is SeqState.DECODING]
         prefill = ready is not None and not (decoding and self._prefills_in_row >= self.prefills_before_decode)
-        if prefill or not decoding:
-            self._start_restores()  # no decode batch to run them beside
+        if not prefill and not decoding:
+            self._start_restores()  # no forward to run them beside
         ran = idle = False
         restoring = any(s.state is SeqState.RESTORING for s in self._active.values())
         if prefill:
             assert ready is not None
-            t0 = time.perf_counter()
+            t0, beside = time.perf_counter(), self.stats.restore_issue_s_beside_prefill
             ran = bool(self._guarded(ready, self._prefill))
             self._prefills_in_row += ran
             if ran and restoring:
-                self.stats.prefill_s_while_restoring += time.perf_counter() - t0
+                beside = self.stats.restore_issue_s_beside_prefill - beside
+                self.stats.prefill_s_while_restoring += max(0.0, time.perf_counter() - t0 - beside)
+        if self._starting and (ran or not decoding):
+            self._start_restores()  # the prefill did not start them (no room for it, or it failed first)
         if ran:
             self._admission_held = False
         else:
@@ -557,10 +562,11 @@ class Engine:
         seq.state = SeqState.RESTORING  # its restore starts later in this step (_start_restores)
         self._starting.append((seq, plan))
 
-    def _start_restores(self, beside_decode: bool = False) -> None:
+    def _start_restores(self, beside: str | None = None) -> None:
         """Start the restores admitted in this step; a refusal fails only its request. If an
         exception escapes (a bug, an interrupt), the requests whose restore did not start
-        recompute instead of waiting for a restore that never comes."""
+        recompute instead of waiting for a restore that never comes. ``beside``: the forward
+        launched before them ("decode" or "prefill"), whose stat gets their host time."""
         starting, self._starting = deque(self._starting), []
         any_started, t0 = bool(starting), time.perf_counter()
         try:
@@ -574,8 +580,9 @@ class Engine:
                 if self._active.get(seq.id) is seq and seq.state is SeqState.RESTORING and seq.restore is None:
                     seq.state = SeqState.READY
                     self._restore_failed(seq)
-            if beside_decode and any_started:
-                self.stats.restore_issue_s_beside_decode += time.perf_counter() - t0
+            if beside is not None and any_started:
+                name = f"restore_issue_s_beside_{beside}"
+                setattr(self.stats, name, getattr(self.stats, name) + time.perf_counter() - t0)
 
     def _start_restore(self, seq: _Seq, plan: Plan) -> None:
         cache = self.cache
@@ -748,8 +755,28 @@ class Engine:
         pages = cache.prefix_pages(req)[: cached // ps] + own
         self.stats.cache_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        logits = self.runner.forward([(prompt[cached:], pages, cached)])[0]
-        self._first_token(seq, logits, cached, own, t0, observe=True)
+        # NOTE: the restores admitted in this step start after the forward's launch, behind a
+        # mark taken before it, as beside a decode batch (_decode): their host work runs while
+        # the device prefills, their copies beside it. Safe for the same reason: the forward
+        # touches only this request's pages, pinned or its own.
+        beside = bool(self._starting)
+        mark = self.runner.mark() if beside else None
+        launched = starts_done = t0
+        try:
+            logits = self.runner.forward([(prompt[cached:], pages, cached)])[0]
+            launched = time.perf_counter()
+            if beside and self._batch_end is not None:
+                self._batch_end.record()
+        finally:
+            if beside:
+                with self.runner.after(mark):
+                    self._start_restores(beside="prefill")
+                starts_done = time.perf_counter()
+        # The prefill's own time leaves out the starts' host time, unless the forward was still
+        # running when they returned (then the wait for its logits is the forward's).
+        busy = beside and self._batch_end is not None and not self._batch_end.query()
+        excluded = starts_done - launched if beside and not busy else 0.0
+        self._first_token(seq, logits, cached, own, t0 + excluded, observe=True)
         return True
 
     def _first_token(
@@ -809,7 +836,7 @@ class Engine:
                     self._batch_end.record()
             finally:
                 with self.runner.after(mark):  # their copies wait for what came before the batch only
-                    self._start_restores(beside_decode=True)
+                    self._start_restores(beside="decode")
             starts_done = time.perf_counter()
             busy = beside and self._batch_end is not None and not self._batch_end.query()
             tokens = picked.tolist()  # waits for the GPU

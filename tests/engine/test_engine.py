@@ -7,6 +7,8 @@ import itertools
 import os
 import random
 import re
+import time
+import types
 from typing import Any
 
 import numpy as np
@@ -606,6 +608,98 @@ def test_a_restore_admitted_beside_decode_starts_after_the_batch_is_launched(
     e.cache.check_integrity()
 
 
+def test_a_restore_admitted_beside_a_prefill_starts_after_its_forward_is_launched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fresh prompt and a restore admitted in one step, nothing decoding: the step's
+    prefill is launched first and the restore starts after it, before its logits are read
+    (the restore's host work runs beside the prefill on a GPU). Both requests get the
+    tokens they get alone."""
+    e, prompt, l1 = _in_l2_only(17)
+    fresh = random.Random(18).choices(range(512), k=23)
+    cold = engine(enable_hicache=False, l2_pages=0, l3_pages=0).generate(fresh, max_new_tokens=3)
+    seen = _order_of(e, monkeypatch)
+    rids = [e.submit(fresh, max_new_tokens=3), e.submit(prompt, max_new_tokens=3)]
+    e.step()
+    assert seen == ["prefill", "start"], seen
+    assert e.state_of(rids[1]) is SeqState.RESTORING
+    assert e.stats.restore_issue_s_beside_prefill > 0 and e.stats.restore_issue_s_beside_decode == 0
+    outs = {o.id: o for o in e.run()}
+    assert (outs[rids[0]].restored_from, outs[rids[0]].tokens) == ("L1", cold.tokens)
+    assert (outs[rids[1]].restored_from, outs[rids[1]].tokens) == ("L2", l1.tokens)
+    e.cache.check_integrity()
+
+
+def test_a_restore_admitted_beside_a_prefill_with_no_room_starts_in_the_same_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step's prefill finds no L1 room (so launches nothing): the restore admitted with
+    it still starts in that step, and both requests are served after."""
+    e, prompt, l1 = _in_l2_only(21)
+    fresh = random.Random(22).choices(range(512), k=23)
+    allocate, calls = e.cache.allocate, []
+
+    def no_room_once(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return None if len(calls) == 1 else allocate(*args, **kw)
+
+    monkeypatch.setattr(e.cache, "allocate", no_room_once)
+    seen = _order_of(e, monkeypatch)
+    rids = [e.submit(fresh, max_new_tokens=2), e.submit(prompt, max_new_tokens=3)]
+    prefills = e.stats.prefills
+    e.step()
+    assert seen == ["start"] and e.stats.prefills == prefills, seen
+    restoring = e._active[rids[1]]
+    assert restoring.restore is not None or restoring.state is not SeqState.RESTORING
+    outs = {o.id: o for o in e.run()}
+    assert outs[rids[0]].error is None and (outs[rids[1]].restored_from, outs[rids[1]].tokens) == ("L2", l1.tokens)
+    e.cache.check_integrity()
+
+
+@pytest.mark.parametrize("with_restore", [True, False])
+def test_a_prefills_own_time_leaves_out_the_restore_starts_beside_it(
+    monkeypatch: pytest.MonkeyPatch, with_restore: bool
+) -> None:
+    """The engine's clock jumps 1000 s inside each forward and 10**6 s inside each restore
+    start: a prefill, with or without a restore started beside it, reports (and teaches the
+    cost model) its forward's time, about 1000 s, not the start's and not twice its own."""
+    e, prompt, _ = _in_l2_only(19)
+    fresh = random.Random(20).choices(range(512), k=23)
+    real, offset = time.perf_counter, [0.0]
+    monkeypatch.setattr("hicache.engine.engine.time", types.SimpleNamespace(perf_counter=lambda: real() + offset[0]))
+    start, forward = e.cache.start_restore, e.runner.forward
+
+    def slow_start(*args: Any, **kw: Any) -> Any:
+        offset[0] += 1e6
+        return start(*args, **kw)
+
+    def slow_forward(*args: Any, **kw: Any) -> Any:
+        offset[0] += 1000.0
+        return forward(*args, **kw)
+
+    monkeypatch.setattr(e.cache, "start_restore", slow_start)
+    monkeypatch.setattr(e.runner, "forward", slow_forward)
+    samples: list[float] = []
+    observe = e.cache.observe_prefill
+
+    def observed(tokens: int, seconds: float) -> None:
+        samples.append(seconds)
+        observe(tokens, seconds)
+
+    monkeypatch.setattr(e.cache, "observe_prefill", observed)
+    rids = [e.submit(fresh, max_new_tokens=1)] + ([e.submit(prompt, max_new_tokens=1)] if with_restore else [])
+    prefill_s = e.stats.prefill_s
+    done = e.step()
+    assert offset[0] == (1e6 if with_restore else 0) + 1000.0
+    assert (e.stats.restore_issue_s_beside_prefill >= 1e6) is with_restore
+    outs = {o.id: o for o in done}
+    own = outs[rids[0]].prefill_s
+    assert own is not None and 1000.0 <= own < 1100.0, own
+    assert len(samples) == 1 and 1000.0 <= samples[0] < 1100.0, samples
+    assert 1000.0 <= e.stats.prefill_s - prefill_s < 1100.0
+    assert e.stats.prefill_s_while_restoring < (1100.0 if with_restore else 1e-9)
+
+
 def test_without_decode_a_restore_starts_before_the_steps_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing decoding: the admitted restore starts at once, before any forward of the
     step (no batch to hide it behind, none to delay it)."""
@@ -656,30 +750,40 @@ def _raise_once(monkeypatch: pytest.MonkeyPatch, e: Engine, name: str) -> list[i
     return calls
 
 
-@pytest.mark.parametrize("decoding", [False, True])
+@pytest.mark.parametrize("beside", [None, "decode", "prefill"])
 def test_an_exception_escaping_a_restore_start_leaves_the_others_to_recompute(
-    monkeypatch: pytest.MonkeyPatch, decoding: bool
+    monkeypatch: pytest.MonkeyPatch, beside: str | None
 ) -> None:
-    """Two restores admitted in one step; the first start raises something that is not a
-    request's failure (a bug, an interrupt), which escapes the step. Neither request may be
-    left waiting for a restore that never comes: both finish, recomputed, with the tokens
-    of their first runs, and the cache stays consistent."""
+    """Two restores admitted in one step (alone, beside a decode batch, or beside another
+    request's prefill); the first start raises something that is not a request's failure (a
+    bug, an interrupt), which escapes the step. Neither request may be left waiting for a
+    restore that never comes: both finish, recomputed, with the tokens of their first runs,
+    the prefill's request too, and the cache stays consistent."""
     e = engine(max_batch=4)
     prompts = [random.Random(seed).choices(range(512), k=50) for seed in (1, 2)]
     first = [e.generate(p, max_new_tokens=2) for p in prompts]
+    fresh = random.Random(4).choices(range(512), k=13)
+    cold = engine(enable_hicache=False, l2_pages=0, l3_pages=0).generate(fresh, max_new_tokens=2)
     e.cache.drain()
     e.cache.core.evict(Tier.L1, 10**6)
-    if decoding:
+    if beside == "decode":
         _start_decoding(e, random.Random(3))
+    other = e.submit(fresh, max_new_tokens=2) if beside == "prefill" else None
     calls = _raise_once(monkeypatch, e, "start_restore")
     rids = [e.submit(p, max_new_tokens=2) for p in prompts]
+    prefills = e.stats.prefills
     with pytest.raises(RuntimeError, match="not a request's failure"):
         e.step()
     assert len(calls) == 1 and all(e.state_of(r) is SeqState.READY for r in rids)
+    assert e.stats.prefills == prefills  # a prefill the start escaped from did not finish
     outs = {o.id: o for o in e.run()}
     for rid, want in zip(rids, first, strict=True):
         assert outs[rid].error is None and outs[rid].restored_from == "L1" and outs[rid].tokens == want.tokens
+    if other is not None:
+        assert outs[other].error is None and outs[other].tokens == cold.tokens
     e.cache.check_integrity()
+    st = e.cache.status()
+    assert st.requests == 0 and st.core.leases == 0
 
 
 def test_an_exception_escaping_admission_leaves_the_request_waiting(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -295,7 +295,6 @@ def test_build_model_fuses_layers_only_where_asked() -> None:
         assert sum(hasattr(m, "_hicache_plain") for m in forced.modules()) == 2 * int(forced.config.num_hidden_layers)  # type: ignore[union-attr, arg-type]
 
 
-
 _COMPILE = """
 import sys
 import torch
@@ -444,9 +443,7 @@ def test_an_engine_over_fused_layers_serves_restores_like_its_l1_hits(
     build = build_model  # what the engine calls, by that name
 
     def served(fuse: bool) -> list[tuple[Any, ...]]:
-        monkeypatch.setattr(
-            engine_module, "build_model", lambda *a, **k: build(*a, **{**k, "fused_layers": fuse})
-        )
+        monkeypatch.setattr(engine_module, "build_model", lambda *a, **k: build(*a, **{**k, "fused_layers": fuse}))
         e = Engine(
             "tiny", device="cpu", page_size=4, num_pages=64, enable_hicache=True, l2_pages=64,
             policy="always", transfer_backend="torch", attention="paged", write_policy=write_policy,

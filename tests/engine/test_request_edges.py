@@ -142,14 +142,14 @@ def test_engine_config_is_the_one_way_settings_arrive() -> None:
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])  # they back up: the hits stay in L1
 def test_requests_that_do_not_fit_together_take_turns_instead_of_failing(policy: str) -> None:
-    """Three shared prefixes, L1 of 14 pages, four requests admitted at a time: their pinned
+    """Three shared prefixes, L1 of 14 pages, three requests admitted at a time: their pinned
     hits fill L1, so one gives its pins back and waits; every request is served, with the
     tokens it gets alone (none fails for room that frees up later)."""
     prefixes = [[(31 * r + 7 * i) % 500 for i in range(5 * PS)] for r in range(3)]
     prompts = [prefixes[k % 3] + [(13 * k + j) % 500 for j in range(PS + 1)] for k in range(9)]
     alone = engine(num_pages=64)
     want = [alone.generate(p, max_new_tokens=2).tokens for p in prompts]
-    e = engine(num_pages=14, write_policy=policy, max_batch=4)
+    e = engine(num_pages=14, write_policy=policy, max_batch=3)
     rids = [e.submit(p, max_new_tokens=2) for p in prompts]
     outs = {o.id: o for o in e.run()}
     assert [outs[r].error for r in rids] == [None] * len(rids)
