@@ -44,6 +44,7 @@ from hicache.engine.cli import (
     ArgParser,
     FlagError,
     add_engine_args,
+    check_flags,
     dtype_of,
     engine_from_args,
     given_flags,
@@ -239,9 +240,14 @@ def parser() -> ArgParser:
     b.add_argument(
         "--prefix-tokens", type=at_least(1), nargs="+", default=[350, 1000, 2000, 3500], help="prefix lengths"
     )
-    b.add_argument("--suffix-tokens", type=int, default=8, help="tokens after the prefix")
-    b.add_argument("--max-new-tokens", type=int, default=1, help="tokens generated per request")
-    b.add_argument("--iterations", type=at_least(1), default=8, help="timed requests per prefix length and tier")
+    b.add_argument("--suffix-tokens", type=at_least(0), default=8, help="tokens after the prefix")
+    b.add_argument("--max-new-tokens", type=at_least(1), default=1, help="tokens generated per request")
+    b.add_argument(
+        "--iterations",
+        type=at_least(1),
+        default=8,
+        help="timed alternations of the two prefixes per prefix length and tier (2 requests each)",
+    )
     b.add_argument(
         "--warmup",
         type=at_least(1),
@@ -338,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         engine_module.FORWARD_AFTER_GROUPS = args.forward_after
     dtype = dtype_of(args)
     try:
+        check_flags(args)  # --device, --model: before a model is built
         net = build_model(args.model, device=args.device, dtype=dtype)
         rows = [run_tier(net, args, tier, p) for p in args.prefix_tokens for tier in args.tiers]
     except FlagError as exc:
@@ -379,8 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     stem = write_results(args.out, f"bench_hicache-{args.model}", args.device, meta, rows, args.tag)
     layered = any(r["layered_restore"] for r in rows)
     print(
-        f"\nTTFT by tier, {args.model} ({dtype}), {device}, {meta_date(stem)}; median of {args.iterations}; "
-        f"layered restore {'on' if layered else 'off'}"
+        f"\nTTFT by tier, {args.model} ({dtype}), {device}, {meta_date(stem)}; "
+        f"median of {2 * args.iterations} requests; layered restore {'on' if layered else 'off'}"
     )
     print(
         f"{'prefix':>7} {'tier':>5} {'TTFT ms':>9} {'speed-up':>8} {'bookkeep':>8} {'issue':>6} {'pages ok':>9} "

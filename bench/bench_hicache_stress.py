@@ -36,12 +36,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import PageCheck, add_out_args, at_least, device_name, engine_settings, guarded, write_results
+from common import (
+    PageCheck,
+    add_out_args,
+    at_least,
+    device_name,
+    engine_settings,
+    existing_dir,
+    guarded,
+    write_results,
+)
 from plots import plot_stress
 from tqdm import tqdm
 
 from hicache.engine import Engine, Output, build_model
-from hicache.engine.cli import ArgParser, FlagError, add_engine_args, dtype_of, engine_from_args, served_from
+from hicache.engine.cli import (
+    ArgParser,
+    FlagError,
+    add_engine_args,
+    check_flags,
+    dtype_of,
+    engine_from_args,
+    served_from,
+)
 
 Config = tuple[str, str, str]  # (tier, storage, policy)
 SOURCES = {"recompute": "r", "L1": "1", "L2": "2", "L3": "3"}  # served_from -> letter
@@ -201,18 +218,24 @@ def parser() -> ArgParser:
         "--prefixes", type=at_least(1), default=8, choices=range(1, 9), metavar="{1..8}", help="prefixes in rotation"
     )
     b.add_argument("--prefix-tokens", type=at_least(1), default=350, help="tokens per prefix")
-    b.add_argument("--suffix-tokens", type=int, default=8, help="tokens after the prefix")
+    b.add_argument("--suffix-tokens", type=at_least(0), default=8, help="tokens after the prefix")
     b.add_argument("--requests", type=at_least(1), default=80, help="timed requests per configuration")
-    b.add_argument("--l1-prefixes", type=int, default=3, help="prefixes L1 holds")
-    b.add_argument("--warmup-rotations", type=int, default=2, help="untimed rotations first (>= 1)")
+    b.add_argument("--l1-prefixes", type=at_least(1), default=3, help="prefixes L1 holds")
+    b.add_argument("--warmup-rotations", type=at_least(1), default=2, help="untimed rotations first")
     b.add_argument(
         "--storage", nargs="+", choices=["disk", "pagecache"], default=["disk", "pagecache"], help="where L3 lives"
     )
-    b.add_argument("--disk-dir", default=None, help="a directory on the local disk for L3 (default: --out)")
-    b.add_argument("--decoders", type=int, default=4, help="background decoders in the overlap variant (0: skip)")
-    b.add_argument("--decode-tokens", type=int, default=64, help="tokens each background decoder generates")
+    b.add_argument(
+        "--disk-dir", type=existing_dir, default=None, help="a directory on the local disk for L3 (default: --out)"
+    )
+    b.add_argument(
+        "--decoders", type=at_least(0), default=4, help="background decoders in the overlap variant (0: skip)"
+    )
+    b.add_argument("--decode-tokens", type=at_least(1), default=64, help="tokens each background decoder generates")
     b.add_argument("--no-rotation", action="store_true", help="run only the overlap variants")
-    b.add_argument("--repeats", type=int, default=1, help="runs per configuration, round-robin; rows show the median")
+    b.add_argument(
+        "--repeats", type=at_least(1), default=1, help="runs per configuration, round-robin; rows show the median"
+    )
     add_out_args(ap)
     return ap
 
@@ -220,9 +243,8 @@ def parser() -> ArgParser:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.disk_dir is None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        args.disk_dir = str(args.out)
+    if args.no_rotation and not args.decoders:
+        ap.error("--no-rotation with --decoders 0: nothing to run (the overlap variants need decoders)")
     dtype = dtype_of(args)
     try:
         return run(args, dtype)
@@ -231,6 +253,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace, dtype: torch.dtype) -> list[dict[str, Any]]:
+    check_flags(args)  # --device, --model: before a model is built
+    if args.disk_dir is None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    args.disk_dir = str(args.out if args.disk_dir is None else args.disk_dir)
     net = build_model(args.model, device=args.device, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     vocab = int(net.config.vocab_size)  # type: ignore[union-attr, arg-type]

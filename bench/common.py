@@ -33,25 +33,34 @@ def default_out() -> Path:
 
 
 def out_dir(text: str) -> Path:
-    """An ``--out`` directory, created now: a path that cannot be one is a flag error before
+    """An ``--out`` directory: one that exists and is writable, or one that can be made
+    under the nearest existing directory (made when the results are written, so a run
+    refused later leaves nothing behind). A path that cannot be one is a flag error before
     any setup or model build, not a traceback at the end of the run."""
+    shown = text if text and " " not in text else repr(text)
+    if not text:
+        raise argparse.ArgumentTypeError(f"{shown}: an empty path (give a directory)")
     path = Path(text)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot create the directory ({exc.strerror})") from None
-    if not os.access(path, os.W_OK):
-        raise argparse.ArgumentTypeError("the directory is not writable")
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{shown}: not a directory")
+    parent = path
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{shown}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{shown}: {parent} is not writable")
     return path
 
 
 def existing_dir(text: str) -> Path:
     """A directory that must already exist and be writable (the disk a benchmark measures)."""
     path = Path(text)
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError("not an existing directory")
+    shown = text if text and " " not in text else repr(text)
+    if not text or not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{shown}: not an existing directory")
     if not os.access(path, os.W_OK):
-        raise argparse.ArgumentTypeError("the directory is not writable")
+        raise argparse.ArgumentTypeError(f"{shown}: the directory is not writable")
     return path
 
 

@@ -180,17 +180,18 @@ class HiCache:
                 if l1_buffer is not None
                 else DevicePool.allocate(g, config.l1_pages, config.device)
             )
-        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        except (RuntimeError, MemoryError, TypeError, ValueError, OverflowError) as exc:
+            # NOTE: torch.OutOfMemoryError is a RuntimeError; a size past int64 is a TypeError
             raise ConfigError(
-                f"cannot allocate the L1 pool of {config.l1_pages} pages (l1_pages) of {g.page_size} tokens, "
-                f"{config.l1_pages * g.bytes_per_page / 2**30:.1f} GiB (page_size): {exc}"
+                f"cannot allocate the L1 pool: l1_pages {config.l1_pages} x page_size {g.page_size} tokens = "
+                f"{config.l1_pages * g.bytes_per_page / 2**30:.4g} GiB: {_first_line(exc)}"
             ) from exc
         try:
             self.l2 = HostPool(g, max(1, config.l2_pages))
-        except (RuntimeError, MemoryError) as exc:
+        except (RuntimeError, MemoryError, TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(
-                f"cannot allocate the L2 pool of {config.l2_pages} pages (l2_pages) of {g.page_size} tokens, "
-                f"{config.l2_pages * g.bytes_per_page / 2**30:.1f} GiB (page_size): {exc}"
+                f"cannot allocate the L2 pool: l2_pages {config.l2_pages} x page_size {g.page_size} tokens = "
+                f"{config.l2_pages * g.bytes_per_page / 2**30:.4g} GiB: {_first_line(exc)}"
             ) from exc
         self.device = TransferEngine(self.l1, self.l2, config.transfer_backend, faults=self.faults)
         if config.l2_pages:
@@ -330,3 +331,11 @@ class HiCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (torch's carry C++ frames after it), at most 200
+    characters."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line if len(line) <= 200 else line[:197] + "..."

@@ -116,9 +116,21 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
         (["bench_hicache.py", "--straight-runs", "-1"], "--straight-runs -1: must be at least 0"),
         (["bench_hicache.py", "--warmup", "0"], "--warmup 0: must be at least 1"),
         (["bench_hicache.py", "--prefix-tokens", "15"], "--prefix-tokens 15: less than one page (--page-size 16)"),
-        (["storage.py", "--dir", "/nonexistent/hicache"], "--dir: not an existing directory"),
-        (["core_ops.py", "--out", "/dev/null/x"], "--out: cannot create the directory"),
+        (["storage.py", "--dir", "/nonexistent/hicache"], "--dir: /nonexistent/hicache: not an existing directory"),
+        (["core_ops.py", "--out", "/dev/null/x"], "--out: /dev/null/x: /dev/null is not a directory"),
         (["soak.py", "--requests", "60"], "--requests 60: must exceed --warmup 200"),
+        (["bench_hicache.py", "--device", "tpu"], "--device tpu: not a torch device"),
+        (["bench_hicache.py", "--model", "nope"], "--model nope: not a preset"),
+        (["bench_hicache.py", "--suffix-tokens", "-5"], "--suffix-tokens -5: must be at least 0"),
+        (["bench_hicache.py", "--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+        (["bench_hicache.py", "--out="], "--out '': an empty path"),
+        (["bench_hicache_stress.py", "--device", "tpu"], "--device tpu: not a torch device"),
+        (["bench_hicache_stress.py", "--repeats", "0"], "--repeats 0: must be at least 1"),
+        (["bench_hicache_stress.py", "--decoders", "-1"], "--decoders -1: must be at least 0"),
+        (["bench_hicache_stress.py", "--no-rotation", "--decoders", "0"], "--no-rotation with --decoders 0: nothing"),
+        (["bench_hicache_stress.py", "--disk-dir", "/nonexistent"], "--disk-dir /nonexistent: not an existing dir"),
+        (["bench_hicache_stress.py", "--l1-prefixes", "0"], "--l1-prefixes 0: must be at least 1"),
+        (["bench_hicache_stress.py", "--suffix-tokens", "-100"], "--suffix-tokens -100: must be at least 0"),
         (["plots.py", "README.md"], "not a bench_hicache result"),
     ],
 )
@@ -128,6 +140,19 @@ def test_a_bad_benchmark_flag_is_one_line_and_no_traceback(argv: list[str], says
     run = subprocess.run([sys.executable, *argv], cwd=ROOT / "bench", capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert says in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script", ["bench_hicache.py", "bench_hicache_stress.py"])
+def test_a_refused_run_leaves_no_out_directory(script: str, tmp_path: Path) -> None:
+    """--out names a directory to be made; a run refused at its flags (here --device) makes
+    none: nothing is left behind."""
+    out = tmp_path / "new" / "results"
+    run = subprocess.run(
+        [sys.executable, script, "--device", "tpu", "--out", str(out)],
+        cwd=ROOT / "bench", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and "--device tpu" in run.stderr, run.stderr[-2000:]
+    assert not (tmp_path / "new").exists()
 
 
 def test_guarded_lets_another_runtime_error_through() -> None:

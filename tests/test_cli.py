@@ -4,6 +4,7 @@ nothing, failed requests reported apart from the figures, a deterministic worklo
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import socket
 import subprocess
@@ -58,7 +59,7 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--num-pages", "abc"], "error: --num-pages abc: not an integer"),
         (["--num-pages", "1.5"], "error: --num-pages 1.5: not an integer"),
         (["--num-pages"], "error: --num-pages: expected one argument"),
-        (["--page-size", "0"], "error: --page-size 0: must be an integer >= 1"),
+        (["--page-size", "0"], "error: --page-size 0: must be an integer in [1, 65,536]"),
         (["--max-batch", "0"], "error: --max-batch 0: must be an integer >= 1"),
         (["--requests", "0"], "error: --requests 0: must be an integer in [1, 100,000]"),
         (["--concurrency", "-1"], "error: --concurrency -1: must be an integer in [1, 100,000]"),
@@ -375,7 +376,9 @@ def test_an_l1_pool_too_large_to_allocate_is_a_flag_error(capsys: pytest.Capture
     code, out, err = run_main(["--num-pages", "99999999999999"], capsys)
     lines = [ln for ln in err.splitlines() if not ln.startswith("warning: ")]
     assert code == 2 and out == "" and len(lines) == 1
-    assert lines[0].startswith("error: --num-pages 99999999999999: cannot allocate the L1 pool of 99999999999999 pages")
+    assert lines[0].startswith(
+        "error: --num-pages 99999999999999: cannot allocate the L1 pool: L1 pages (--num-pages) 99999999999999 x "
+    )
 
 
 def test_paged_attention_on_a_cpu_is_a_flag_error(
@@ -393,14 +396,56 @@ def test_paged_attention_on_a_cpu_is_a_flag_error(
 
 
 def test_an_l1_pool_too_large_for_its_page_size_names_both_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    """A page size that makes the default L1 pool too large: the line names the pool's pages,
-    their size in tokens and GiB, and --page-size."""
+    """A page size that makes the L1 pool too large: the line names the pool's pages, their
+    size in tokens, the GiB and --page-size, and only the first line of torch's error."""
     code, _, err = run_main(
-        ["--model", "tiny", "--device", "cpu", "--requests", "1", "--page-size", "100000000"], capsys
+        ["--model", "tiny", "--device", "cpu", "--requests", "1", "--page-size", "65536", "--num-pages", "1000000"],
+        capsys,
     )
-    assert code == 2 and err.count("\n") == 1
-    assert err.startswith("error: --num-pages 4096: cannot allocate the L1 pool of 4096 pages")
-    assert "of 100000000 tokens, 195312.5 GiB (--page-size)" in err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(
+        "error: --num-pages 1000000: cannot allocate the L1 pool: L1 pages (--num-pages) 1000000 x --page-size 65536"
+        " tokens = 3.125e+04 GiB: "
+    ), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--page-size", "9" * 23], f"error: --page-size {'9' * 23}: must be an integer in [1, 65,536]"),
+        (["--page-size", "65537"], "error: --page-size 65537: must be an integer in [1, 65,536]"),
+        (["--enable-hicache", "--hicache-ratio", "1e300"], "error: --hicache-ratio 1e300: must be at most 1e9"),
+        (["--enable-hicache", "--hicache-storage-size", "inf"], "error: --hicache-storage-size inf: "),
+        (
+            ["--enable-hicache", "--hicache-transfer-backend", "triton"],
+            "error: --hicache-transfer-backend triton: transfer backend 'triton' needs triton",
+        ),
+        (
+            ["--enable-hicache", "--hicache-storage-ratio", "2", "--hicache-storage-backend", "dir",
+             "--hicache-storage-path", "/proc/hicache-kv"],
+            "error: --hicache-storage-path /proc/hicache-kv: L3 directory /proc/hicache-kv: ",
+        ),
+    ],
+)  # fmt: skip
+def test_out_of_range_values_are_one_line_naming_their_flag(
+    flags: list[str], line: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Sizes past what any machine has, a backend this machine cannot run, a directory that
+    cannot be made: one line naming the flag and its value, exit 2, no traceback."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code, out, err = run_main(["--model", "tiny", "--device", "cpu", "--requests", "1", *flags], capsys)
+    lines = [ln for ln in err.splitlines() if not ln.startswith("warning: ")]
+    assert (code, out, len(lines)) == (2, "", 1), err
+    assert lines[0].startswith(line), lines[0]
+
+
+def test_json_output_is_alone_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    """--json: stdout is the status JSON alone (it pipes into a JSON reader), the summary
+    goes to stderr."""
+    code, out, err = run_main(["--model", "tiny", "--device", "cpu", "--requests", "3", "--json"], capsys)
+    assert code == 0
+    status = json.loads(out)
+    assert status["stats"]["finished"] == 3 and "workload: 3 requests" in err and "throughput" in err
 
 
 @pytest.mark.parametrize("missing", ["tqdm", "transformers"])

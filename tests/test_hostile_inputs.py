@@ -117,3 +117,22 @@ def test_a_closed_engine_refuses_status_by_its_own_name() -> None:
     e.close()
     with pytest.raises(MisuseError, match="this Engine is closed"):
         e.status()
+
+
+def test_a_pool_past_what_torch_can_size_is_a_config_error() -> None:
+    """A page size whose pool does not fit in int64: a ConfigError naming the pool and its
+    size in one line (torch's TypeError/RuntimeError, first line only), not a traceback."""
+    g = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=1, page_size=2**62, dtype=torch.float32)
+    pool = r"cannot allocate the L1 pool: l1_pages 4 x page_size 4611686018427387904"
+    with pytest.raises(ConfigError, match=pool) as info:
+        HiCache(HiCacheConfig(g, l1_pages=4, l2_pages=0, device="cpu"))
+    assert "\n" not in str(info.value)
+
+
+def test_an_l3_directory_that_cannot_be_made_is_a_config_error() -> None:
+    """A dir store under /proc (mkdir fails with ENOENT): a ConfigError naming the path."""
+    g = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32)
+    config = HiCacheConfig(g, l1_pages=4, l2_pages=4, l3_pages=4, storage_backend="dir",
+                           storage_path="/proc/hicache-no-such-dir", model_id="m", device="cpu")  # fmt: skip
+    with pytest.raises(ConfigError, match="L3 directory /proc/hicache-no-such-dir: "):
+        HiCache(config)

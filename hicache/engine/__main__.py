@@ -12,6 +12,7 @@ asynchronously. Exit status: 0, 1 when every request failed, 2 on a bad flag.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -62,7 +63,11 @@ def parser() -> ArgParser:
     w.add_argument("--max-new-tokens", type=int_between(1, 1_000_000), default=4, help="tokens generated per request")
     w.add_argument("--concurrency", type=int_between(1, 100_000), default=4, help="requests in flight at once")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload (prompts)")
-    w.add_argument("--json", action="store_true", help="print the engine's full status as JSON at the end")
+    w.add_argument(
+        "--json",
+        action="store_true",
+        help="print the engine's full status as JSON at the end, alone on stdout (the summary goes to stderr)",
+    )
     m = ap.add_argument_group("metrics")
     m.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics while the workload runs")
     m.add_argument(
@@ -180,15 +185,18 @@ def main(argv: list[str] | None = None) -> int:
             server.publish(engine.cache.prometheus())
         vocab = int(engine.net.config.vocab_size)  # type: ignore[union-attr, arg-type]
         prompts = workload(args, vocab)
-        print(f"workload: {len(prompts)} requests, seed {args.seed}, digest {digest(prompts)}")
-        t0 = time.perf_counter()
-        outs = serve(engine, prompts, args, server)
-        wall = time.perf_counter() - t0
-        engine.cache.drain()
-        engine.cache.check_integrity()
-        if server is not None:
-            server.publish(engine.cache.prometheus())
-        failed = report(engine, outs, wall)
+        # NOTE: with --json, stdout carries the JSON alone (a pipe into a JSON reader works);
+        # the summary goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            print(f"workload: {len(prompts)} requests, seed {args.seed}, digest {digest(prompts)}")
+            t0 = time.perf_counter()
+            outs = serve(engine, prompts, args, server)
+            wall = time.perf_counter() - t0
+            engine.cache.drain()
+            engine.cache.check_integrity()
+            if server is not None:
+                server.publish(engine.cache.prometheus())
+            failed = report(engine, outs, wall)
         if args.json:
             print(json.dumps(engine.status(), indent=1, default=str))
     except KeyboardInterrupt:

@@ -98,9 +98,13 @@ def nonneg_int(text: str) -> int:
 
 
 def nonneg_float(text: str) -> float:
+    """A ratio or a size in GiB: >= 0, and at most 1e9 (past that it only names a pool no
+    machine has, in a message hundreds of digits long)."""
     value = _number(float, text, "a number")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
+    if value > 1e9:
+        raise argparse.ArgumentTypeError(f"{text}: must be at most 1e9")
     return value
 
 
@@ -190,7 +194,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="cuda" if cuda else "cpu", help="torch device: cpu, cuda or cuda:N")
     g.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bfloat16 on CUDA, else float32")
-    g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    g.add_argument("--page-size", type=int_between(1, 1 << 16), default=16, metavar="N", help="tokens per KV page")
     g.add_argument("--num-pages", type=positive_int, default=4096, help="L1 pages (the GPU page pool)")
     g.add_argument("--max-batch", type=positive_int, default=32, help="requests running at once")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run small batches eagerly too (CUDA only)")
@@ -406,7 +410,7 @@ def check_device(args: argparse.Namespace) -> None:
             raise FlagError("--device", args.device, f"only {torch.cuda.device_count()} CUDA device(s) visible")
 
 
-def _check_flags(args: argparse.Namespace) -> None:
+def check_flags(args: argparse.Namespace) -> None:
     """What can be judged from the flags alone, before a model is built."""
     check_device(args)
     if args.model not in PRESETS and not is_checkpoint(args.model):
@@ -500,6 +504,7 @@ _SETTING_FLAGS: tuple[tuple[str, str], ...] = (
     ("max_batch", "max_batch"),
     ("write_policy", "hicache_write_policy"),
     ("transfer_backend", "hicache_transfer_backend"),
+    ("transfer backend", "hicache_transfer_backend"),
     ("layered_restore", "hicache_layered_restore"),
     ("policy", "hicache_policy"),
     ("cudnn", "attention_cudnn"),
@@ -541,7 +546,7 @@ def engine_from_args(args: argparse.Namespace, net: torch.nn.Module | None = Non
     """An :class:`Engine` per the flags (``overrides`` win over them). Raises
     :class:`FlagError` naming the flag behind any configuration error."""
     try:
-        _check_flags(args)
+        check_flags(args)
         if net is None:
             net = build_model(args.model, device=args.device, dtype=dtype_of(args))
         kw = engine_kwargs(args, net, **overrides)

@@ -387,7 +387,7 @@ def _open_dir(path: Path) -> int:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise ConfigError(f"L3 directory {path} became a symlink; refusing to follow it") from exc
-        raise
+        raise ConfigError(f"L3 directory {path}: {exc.strerror or exc}") from exc
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
