@@ -10,7 +10,7 @@ import torch
 
 from hicache import HiCache, HiCacheConfig
 from hicache.core.geometry import KVGeometry
-from hicache.engine import Engine
+from hicache.engine import Engine, EngineConfig
 from hicache.errors import ConfigError, MisuseError
 
 G = KVGeometry(2, 1, 4, 4, torch.float32)
@@ -136,3 +136,45 @@ def test_an_l3_directory_that_cannot_be_made_is_a_config_error() -> None:
                            storage_path="/proc/hicache-no-such-dir", model_id="m", device="cpu")  # fmt: skip
     with pytest.raises(ConfigError, match="L3 directory /proc/hicache-no-such-dir: "):
         HiCache(config)
+
+
+def test_engine_takes_its_model_by_keyword_once() -> None:
+    e = Engine(model="tiny", device="cpu", num_pages=16)
+    assert e.config.model == "tiny"
+    e.close()
+    with pytest.raises(ConfigError, match="the model is given twice"):
+        Engine("tiny", model="tiny", device="cpu")
+    with pytest.raises(ConfigError, match="config must be an EngineConfig or a model name, got int"):
+        Engine(model=5, device="cpu")
+    with pytest.raises(ConfigError, match=r"model must be a preset name or a checkpoint directory \(a str\), got 5"):
+        EngineConfig.create(5)  # type: ignore[arg-type]
+
+
+def test_a_storage_path_with_a_nul_is_a_config_error() -> None:
+    g = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="storage_path must not contain a NUL"):
+        HiCacheConfig(g, l1_pages=4, l2_pages=4, l3_pages=4, storage_path="/tmp/a\x00b", device="cpu")
+
+
+def test_a_prompt_of_bools_is_the_prompt_of_their_ints() -> None:
+    """Bools count as the ints 0 and 1 (as in the core): a prompt of bools alone is served,
+    with the tokens of the same prompt as ints."""
+    e = Engine("tiny", device="cpu", num_pages=16, page_size=4)
+    bools = e.generate([True, False, True, True, False], max_new_tokens=3)
+    ints = Engine("tiny", device="cpu", num_pages=16, page_size=4).generate([1, 0, 1, 1, 0], max_new_tokens=3)
+    assert bools.error is None and bools.tokens == ints.tokens
+
+
+def test_an_engine_refused_while_built_leaves_its_store_unlocked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A setting the model runner refuses (paged attention on a CPU) after the cache was
+    made: the cache is closed again, so the next engine opens the same dir store."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kw = dict(device="cpu", num_pages=16, enable_hicache=True, l2_pages=16, l3_pages=32,
+              storage_backend="dir", storage_path=str(tmp_path / "kv"))  # fmt: skip
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        Engine("tiny", attention="paged", **kw)  # type: ignore[arg-type]
+    e = Engine("tiny", **kw)  # type: ignore[arg-type]
+    assert e.generate(list(range(20)), max_new_tokens=1).error is None
+    e.close()

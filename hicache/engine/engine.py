@@ -58,6 +58,7 @@ from hicache.engine.model import (
     kv_geometry,
     model_geometry,
     model_identity,
+    weights_digest,
 )
 from hicache.engine.signals import LayerSignals
 from hicache.errors import ConfigError, HiCacheError, IntegrityError, MisuseError
@@ -241,6 +242,8 @@ class EngineConfig:
     ) -> EngineConfig:
         """A config from keyword settings (the cache's geometry taken from ``model``;
         ``engine`` holds the other fields of :class:`EngineConfig`)."""
+        if not isinstance(model, str):
+            raise ConfigError(f"model must be a preset name or a checkpoint directory (a str), got {model!r}")
         if not isinstance(enable_hicache, bool):
             raise ConfigError(f"enable_hicache must be a bool, got {enable_hicache!r}")
         if enable_hicache and not l2_pages:
@@ -281,42 +284,69 @@ class EngineConfig:
         return cls(cache, model, **engine)
 
 
+# NOTE: a str of its own (not the interned literal), so Engine(model=...) is told from
+# Engine("tiny", model=...) by identity.
+_DEFAULT_MODEL = "".join(["ti", "ny"])
+
+
 class Engine:
     """The reference engine (see the module docstring).
 
-    ``Engine(EngineConfig(...))``, or ``Engine("tiny", num_pages=..., ...)`` with the
-    keywords of :meth:`EngineConfig.create`. ``net`` replaces the model built from
-    ``config.model`` (its KV geometry must match ``config.cache.geometry``).
-    """
+    ``Engine(EngineConfig(...))``, or ``Engine("tiny", num_pages=..., ...)`` (or
+    ``Engine(model="tiny", ...)``) with the keywords of :meth:`EngineConfig.create`. ``net``
+    replaces the model built from ``config.model`` (its KV geometry must match
+    ``config.cache.geometry``); with L3, the store's pages are keyed by the weights it runs
+    (:func:`~hicache.engine.model.weights_digest`). A setting refused while the engine is
+    built leaves nothing open (the cache it made is closed)."""
 
-    def __init__(self, config: EngineConfig | str = "tiny", *, net: torch.nn.Module | None = None, **options: Any):
+    def __init__(
+        self, config: EngineConfig | str = _DEFAULT_MODEL, *, net: torch.nn.Module | None = None, **options: Any
+    ):
+        if config is _DEFAULT_MODEL and "model" in options:
+            config = options.pop("model")  # Engine(model="tiny", ...) as Engine("tiny", ...)
+        elif "model" in options:
+            raise ConfigError(f"the model is given twice: {config!r} and model={options['model']!r}")
         if isinstance(config, str):
             config = EngineConfig.create(config, **options)
         elif not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig or a model name, got {type(config).__name__}")
         elif options:
             raise ConfigError(f"give either an EngineConfig or keyword settings, not both: {sorted(options)}")
-        self.config = config
         cc = config.cache
         g = cc.geometry
         if net is None:
             net = build_model(config.model, device=cc.device, dtype=g.dtype, seed=config.seed)
+        elif not isinstance(net, torch.nn.Module) or not hasattr(net, "config"):
+            raise ConfigError(f"net must be a transformers causal LM (a torch.nn.Module with .config), got {net!r:.80}")
         self.net = net
         if kv_geometry(self.net, g.page_size) != g:
             raise ConfigError(f"the model's KV geometry {kv_geometry(self.net, g.page_size)} differs from {g}")
+        if cc.l3_pages:
+            # NOTE: a shared store keys pages by the model's identity: the weights actually
+            # run name it, not only the model's name (a net given in its place, a checkpoint
+            # rewritten in place, a preset built differently elsewhere never match).
+            cc = dataclasses.replace(cc, model_id=f"{cc.model_id}:weights={weights_digest(self.net)}")
+            config = dataclasses.replace(config, cache=cc)
+        self.config = config
         self.enabled = config.enabled
         self.prefetch = config.prefetch
         self.max_batch = config.max_batch
         self.cache = HiCache(cc)
-        self.runner = ModelRunner(
-            self.net,
-            self.cache.l1,
-            cuda_graphs=config.cuda_graphs,
-            graph_short_prefills=config.graph_short_prefills,
-            attention=config.attention,
-            cudnn=config.cudnn,
-            layer_groups=self.cache.device.layer_groups(),
-        )
+        try:
+            self.runner = ModelRunner(
+                self.net,
+                self.cache.l1,
+                cuda_graphs=config.cuda_graphs,
+                graph_short_prefills=config.graph_short_prefills,
+                attention=config.attention,
+                cudnn=config.cudnn,
+                layer_groups=self.cache.device.layer_groups(),
+            )
+        except BaseException:
+            # NOTE: a refused setting must not leave the cache open: its store stays locked
+            # (a dir store for this process's lifetime) and its pools allocated.
+            self.cache.close()
+            raise
         layered = config.layered_restore
         if layered is None:  # auto: where the copy can signal layers as they land
             layered = self.cache.device.layered
@@ -356,7 +386,9 @@ class Engine:
                 f"no room in L1 for a prompt of {len(toks)} tokens and {max_new_tokens} new: it needs {need} "
                 f"pages of {self.page_size} tokens, the pool has {self.config.cache.l1_pages}"
             )
-        seq = _Seq(next(self._ids), list(toks), max_new_tokens, time.perf_counter())
+        # NOTE: as plain ints (bools among them are 0 and 1, as in the core): the forward
+        # sees the prompt as the cache does, whatever the prompt's tail was made of.
+        seq = _Seq(next(self._ids), list(map(int, toks)), max_new_tokens, time.perf_counter())
         self._waiting.append(seq)
         self.stats.submitted += 1
         return seq.id

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import operator
 import os
 import warnings
@@ -253,9 +254,11 @@ def model_geometry(model: str, page_size: int, dtype: torch.dtype) -> KVGeometry
 
 
 def model_identity(model: str, seed: int = 0) -> str:
-    """What names this model's KV in a shared store: a preset with its weights' seed, or a
-    checkpoint's directory name with a digest of its config and weight files (names and
-    sizes), so another model, or other weights, never match."""
+    """The name part of this model's identity in a shared store: a preset with its weights'
+    seed, or a checkpoint's directory name with a digest of its config and weight files'
+    names and sizes. The engine adds :func:`weights_digest` of the weights it runs, so other
+    weights (a ``net`` given in place of the named model, a checkpoint rewritten in place, a
+    preset built differently elsewhere) never match."""
     if model in PRESETS:
         return f"preset:{model}:seed={seed}"
     p = Path(model)
@@ -267,6 +270,42 @@ def model_identity(model: str, seed: int = 0) -> str:
             h.update(f.name.encode())
             h.update(f.read_bytes() if f.name == "config.json" else str(f.stat().st_size).encode())
     return f"checkpoint:{p.resolve().name}:{h.hexdigest()[:16]}"
+
+
+# Elements per step of :func:`weights_digest`: its int64 temporaries stay at 128 MiB.
+DIGEST_CHUNK = 1 << 24
+DIGEST_SAMPLES = 4096
+
+
+@torch.inference_mode()
+def weights_digest(net: torch.nn.Module) -> str:
+    """A digest of ``net``'s weights' content, the same on every device and process for the
+    same values: per parameter and buffer (by name, with shape and dtype), the int64 sum and
+    sum of squares of its bits (as int16 words, or bytes) and ``DIGEST_SAMPLES`` of them
+    evenly spaced. One pass over the weights on their device (tens of milliseconds for an 8B
+    model on a GPU); other weights differ in it whatever their shapes."""
+    h = hashlib.sha256()
+    sums: list[torch.Tensor] = []
+    samples: list[torch.Tensor] = []
+    for name, t in itertools.chain(net.named_parameters(), net.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        flat = t.detach().contiguous().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        words = flat.view(torch.int16 if flat.element_size() % 2 == 0 else torch.int8)
+        acc = torch.zeros(2, dtype=torch.int64, device=words.device)
+        for chunk in torch.split(words, DIGEST_CHUNK):
+            wide = chunk.to(torch.int64)
+            acc[0] += wide.sum()
+            acc[1] += (wide * wide).sum()
+        sums.append(acc)
+        n = words.numel()
+        idx = torch.linspace(0, n - 1, min(n, DIGEST_SAMPLES), device=words.device).round().long()
+        samples.append(words[idx].to(torch.int64))
+    if sums:
+        h.update(torch.cat(sums).cpu().numpy().tobytes())
+        h.update(torch.cat(samples).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def kv_geometry(net: torch.nn.Module, page_size: int) -> KVGeometry:
