@@ -242,8 +242,11 @@ class Controller:
         match = self.core.match_valid(toks)
         req = Request(next(self._ids), toks, match, cached_len=match.l1.length)
         if match.l1.length:
-            req.lease = self.core.lock(match.l1)
-            req.pages = self.core.pages_l1(match.l1)
+            # NOTE: pin the hit only: a hit ending inside a run splits it there (no residency
+            # changes), so the run's pages past the hit stay evictable for this request's own.
+            hit = self.core.trim(match.l1)
+            req.lease = self.core.lock(hit)
+            req.pages = self.core.pages_l1(hit)
         try:
             self._discover(req)
         except BaseException:
@@ -253,8 +256,8 @@ class Controller:
             raise
         self._requests[req.id] = req
         self.metrics.hit_tokens["L1"] += match.l1.length
-        if match.l1.length and self.write_policy is WritePolicy.SELECTIVE:
-            node = match.l1.node
+        if req.lease is not None and self.write_policy is WritePolicy.SELECTIVE:
+            node = req.lease.node
             node.hits += 1
             if node.hits >= self.selective_hits:
                 self._backup(node)

@@ -4,6 +4,8 @@ same tokens as a recompute."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from hicache.engine import Engine
@@ -183,4 +185,30 @@ def test_a_requeued_request_is_admitted_again_when_the_others_are_aborted() -> N
         outs += e.step()
     assert e.pending == 0
     assert sorted((o.id, o.error) for o in outs) == sorted([(waiting, None), (other, "aborted")])
+    e.cache.check_integrity()
+
+
+@pytest.mark.parametrize("hicache", [False, True])
+def test_a_hit_on_the_head_of_a_run_pins_only_the_hit(hicache: bool) -> None:
+    """A 28-token prompt leaves one 7-page run in an 8-page L1; a prompt of its first 9
+    tokens hits 2 of those pages and needs 4 with its new tokens. Only the 2 are pinned
+    (the run is split there), so the other 5 make room: it is served, with the tokens of a
+    cold run, where pinning the whole run failed it for lack of room."""
+    rng = random.Random(0)
+    a = [rng.randrange(512) for _ in range(28)]
+    off: dict[str, object] = dict(enable_hicache=False, l2_pages=0, l3_pages=0)
+    kw: dict[str, object] = dict(write_policy="write_back") if hicache else off
+    e = engine(num_pages=8, **kw)
+    e.generate(a, 1)
+    e.cache.drain()  # a write-through backup pins its run until it lands
+    req = e.cache.admit(a[:9])
+    try:
+        assert req.cached_len == 8 and len(req.pages) == 2
+        st = e.cache.status().to_dict()["core"]["tiers"][0]
+        assert st["protected"] == 2, st
+    finally:
+        e.cache.release(req)
+    out = e.generate(a[:9], 7)
+    cold = engine(num_pages=8).generate(a[:9], 7)
+    assert out.error is None and out.cached_tokens == 8 and out.tokens == cold.tokens
     e.cache.check_integrity()
