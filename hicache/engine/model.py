@@ -299,8 +299,9 @@ def weights_digest(net: torch.nn.Module) -> str:
             acc[0] += wide.sum()
             acc[1] += (wide * wide).sum()
         sums.append(acc)
-        n = words.numel()
-        idx = torch.linspace(0, n - 1, min(n, DIGEST_SAMPLES), device=words.device).round().long()
+        n, k = words.numel(), min(words.numel(), DIGEST_SAMPLES)
+        # NOTE: in int64: float positions past 2**24 elements round beyond the last one
+        idx = torch.arange(k, device=words.device, dtype=torch.int64) * (n - 1) // max(k - 1, 1)
         samples.append(words[idx].to(torch.int64))
     if sums:
         h.update(torch.cat(sums).cpu().numpy().tobytes())

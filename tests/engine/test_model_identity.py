@@ -109,3 +109,14 @@ def test_a_net_that_is_not_a_model_is_a_config_error() -> None:
     for net in (5, torch.nn.Linear(2, 2)):
         with pytest.raises(ConfigError, match="net must be a transformers causal LM"):
             Engine("tiny", net=net, device="cpu")  # type: ignore[arg-type]
+
+
+def test_the_digest_samples_stay_inside_a_tensor_past_two_to_the_24() -> None:
+    """2**24 + 4 elements: float positions would round past the last one (an index error;
+    on a GPU a device-side assert); the last element is sampled."""
+    big = torch.zeros(2**24 + 4, dtype=torch.int8)
+    net = torch.nn.Module()
+    net.register_buffer("big", big)
+    before = weights_digest(net)
+    big[-1] = 1
+    assert weights_digest(net) != before
