@@ -168,13 +168,23 @@ def test_a_prompt_of_bools_is_the_prompt_of_their_ints() -> None:
 def test_an_engine_refused_while_built_leaves_its_store_unlocked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A setting the model runner refuses (paged attention on a CPU) after the cache was
-    made: the cache is closed again, so the next engine opens the same dir store."""
+    """A setting the model runner refuses (paged attention on a CPU) is refused before the
+    cache makes its store; refused after it (the check bypassed), the cache is closed again,
+    so the next engine opens the same dir store."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     kw = dict(device="cpu", num_pages=16, enable_hicache=True, l2_pages=16, l3_pages=32,
               storage_backend="dir", storage_path=str(tmp_path / "kv"))  # fmt: skip
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         Engine("tiny", attention="paged", **kw)  # type: ignore[arg-type]
+    assert not (tmp_path / "kv").exists()  # refused before the store was made
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ConfigError("refused by the model runner")
+
+    monkeypatch.setattr("hicache.engine.engine.ModelRunner.__init__", refuse)  # refused after the store was made
+    with pytest.raises(ConfigError, match="refused by the model runner"):
+        Engine("tiny", **kw)  # type: ignore[arg-type]
+    monkeypatch.undo()
     e = Engine("tiny", **kw)  # type: ignore[arg-type]
     assert e.generate(list(range(20)), max_new_tokens=1).error is None
     e.close()

@@ -331,6 +331,7 @@ class Engine:
         self.enabled = config.enabled
         self.prefetch = config.prefetch
         self.max_batch = config.max_batch
+        ModelRunner.check_settings(config.attention, config.cudnn, cc.device)  # before the cache opens a store
         self.cache = HiCache(cc)
         try:
             self.runner = ModelRunner(

@@ -369,17 +369,7 @@ class ModelRunner:
         are :class:`~hicache.engine.signals.LayerSignals` (:attr:`signals`), so a layered
         forward can be launched before its restore's copies are queued; else CUDA events
         (None: :data:`LAYER_SIGNALS`)."""
-        if attention not in ("auto", "paged", "gqa", "fold"):
-            raise ConfigError(f"attention must be 'auto', 'paged', 'gqa' or 'fold', got {attention!r}")
-        attention = resolve_attention(attention, pool.device)
-        if attention == "paged" and not paged.HAVE_TRITON:
-            raise ConfigError("attention 'paged' needs triton")
-        if attention == "paged" and pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            # NOTE: Triton runs kernels on a CPU only interpreted (tests); without it the first
-            # forward raised deep inside Triton ("0 active drivers").
-            raise ConfigError("attention 'paged' needs a CUDA device (on CPU: 'gqa' or 'fold')")
-        if cudnn not in ("off", "graphs", "on"):
-            raise ConfigError(f"cudnn must be 'off', 'graphs' or 'on', got {cudnn!r}")
+        attention = self.check_settings(attention, cudnn, pool.device)
         self.net = net
         self.pool = pool
         self.page_size = pool.geometry.page_size
@@ -447,6 +437,23 @@ class ModelRunner:
                     self.signals, self.layer_events = signals, signals.events
                     self._fill = _own_stream(pool.device, "signals", priority=-1)
         self.closed = False
+
+    @staticmethod
+    def check_settings(attention: object, cudnn: object, device: str | torch.device) -> AttentionImpl:
+        """``attention`` resolved for ``device``; ConfigError for a choice that does not
+        exist or cannot run there (so an engine refuses it before it opens anything)."""
+        if attention not in ("auto", "paged", "gqa", "fold"):
+            raise ConfigError(f"attention must be 'auto', 'paged', 'gqa' or 'fold', got {attention!r}")
+        resolved = resolve_attention(attention, device)
+        if resolved == "paged" and not paged.HAVE_TRITON:
+            raise ConfigError("attention 'paged' needs triton")
+        if resolved == "paged" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            # NOTE: Triton runs kernels on a CPU only interpreted (tests); without it the first
+            # forward raised deep inside Triton ("0 active drivers").
+            raise ConfigError("attention 'paged' needs a CUDA device (on CPU: 'gqa' or 'fold')")
+        if cudnn not in ("off", "graphs", "on"):
+            raise ConfigError(f"cudnn must be 'off', 'graphs' or 'on', got {cudnn!r}")
+        return resolved
 
     def _warm_upload(self) -> bool:
         """Compile the upload kernel's variants (n == 1, n % 16 == 0, else) now; False (the
