@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import subprocess
@@ -330,5 +331,18 @@ def write_results(
         **meta,
     }
     path = out / f"{stem}-{meta['date']}-{tag or tag_of(device)}"
-    path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    doc = finite({"meta": meta, "rows": rows})
+    path.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str, allow_nan=False))
     return path
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None, so the JSON written is
+    JSON (``NaN`` is not): a figure with nothing to compare against is null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value

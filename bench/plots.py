@@ -56,7 +56,7 @@ def plot_latency(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -
     restored = [t for t in tiers if t != "none"]
     width = 0.8 / max(1, len(restored))
     for i, tier in enumerate(restored):
-        by = {r["prefix_tokens"]: r.get("speedup", float("nan")) for r in rows if r["tier"] == tier}
+        by = {r["prefix_tokens"]: _num(r.get("speedup")) for r in rows if r["tier"] == tier}
         xs = [j + (i - (len(restored) - 1) / 2) * width for j in range(len(prefixes))]
         label, colour, _ = TIER_STYLE[tier]
         _label_bars(sp, sp.bar(xs, [by.get(p, 0.0) for p in prefixes], width, color=colour, label=label), "{:.1f}x")
@@ -141,3 +141,8 @@ if __name__ == "__main__":
     ap.add_argument("files", nargs="+", type=Path, metavar="FILE.json", help="bench_hicache*.json results")
     for name in ap.parse_args().files:
         replot(name)
+
+
+def _num(value: Any) -> float:
+    """A figure from a result file, null (nothing to compare against) as NaN."""
+    return float("nan") if value is None else float(value)

@@ -102,6 +102,8 @@ class HiCacheConfig:
             )
         if self.storage_path is not None and not isinstance(self.storage_path, (str, os.PathLike)):
             raise ConfigError(f"storage_path must be a path or None, got {self.storage_path!r}")
+        if self.storage_path is not None and not os.fspath(self.storage_path):
+            raise ConfigError("storage_path must not be empty (None: an unnamed file)")
         if self.storage_path is not None and "\x00" in os.fspath(self.storage_path):
             raise ConfigError(f"storage_path must not contain a NUL character, got {self.storage_path!r}")
         if not isinstance(self.storage_backend, str) or self.storage_backend not in STORE_KINDS:

@@ -317,3 +317,14 @@ def test_the_main_job_refuses_an_unknown_option_in_one_line() -> None:
         timeout=120,
     )
     assert (run.returncode, run.stdout, run.stderr) == (2, "", "error: --bogus: no benchmark has this option\n")
+
+
+def test_result_files_are_json_without_nan(tmp_path: Path) -> None:
+    """A figure with nothing to compare against (a speed-up without its recompute row) is
+    written as null, not NaN (which is not JSON), and plots."""
+    rows = [{"tier": "l2", "prefix_tokens": 350, "ttft_ms": 7.0, "speedup": float("nan"), "x": [float("inf"), 1.0]}]
+    stem = common.write_results(tmp_path, "bench_hicache-tiny", "cpu", {"model": "tiny"}, rows, "t")
+    text = stem.with_suffix(".json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    doc = json.loads(text)
+    assert doc["rows"][0]["speedup"] is None and doc["rows"][0]["x"] == [None, 1.0]

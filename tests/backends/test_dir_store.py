@@ -202,10 +202,11 @@ def test_sigkill_while_writing_never_serves_a_torn_page(tmp_path: Path, mode: st
 
 
 def test_second_process_gets_a_clear_error_until_the_first_closes(tmp_path: Path) -> None:
-    """One process per directory: a second opener gets ConfigError naming the holder's
-    pid; once the first closes, it opens."""
+    """One opener per directory: a second one gets ConfigError naming the holder (here this
+    process: "another cache of this process"; from another process its pid, as
+    tests/engine/test_dir_restart.py shows); once the first closes, it opens."""
     s = dir_store(tmp_path)
-    with pytest.raises(ConfigError, match=f"in use by another process \\(pid {os.getpid()}\\)"):
+    with pytest.raises(ConfigError, match="in use by another cache of this process; give each its own"):
         dir_store(tmp_path)
     s.close()
     dir_store(tmp_path).close()
@@ -340,3 +341,21 @@ def test_a_directory_where_files_cannot_be_made_is_a_config_error(
     monkeypatch.setattr(dir_module, "_lock_dir", no_lock)
     with pytest.raises(ConfigError, match="cannot set up its files"):
         dir_store(tmp_path / "l3")
+
+
+def test_a_directory_held_by_another_process_names_its_pid(tmp_path: Path) -> None:
+    """A child process holds the directory (stopped inside a write); opening it here names
+    the child's pid."""
+    repo = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path), "block"], cwd=repo, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        lines = [child.stdout.readline() for _ in range(3)]  # bounded: two pages, then "blocked"
+        assert lines[-1].strip() == "blocked", lines
+        with pytest.raises(ConfigError, match=f"in use by another process \\(pid {child.pid}\\); give each its own"):
+            dir_store(tmp_path)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)

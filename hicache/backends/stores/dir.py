@@ -426,9 +426,8 @@ def _lock_dir(dirfd: int, path: Path) -> int:
     except BlockingIOError as exc:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise ConfigError(
-            f"L3 directory {path} is in use by another process (pid {holder}); give each its own"
-        ) from exc
+        who = "another cache of this process" if holder == str(os.getpid()) else f"another process (pid {holder})"
+        raise ConfigError(f"L3 directory {path} is in use by {who}; give each its own") from exc
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
