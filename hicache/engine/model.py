@@ -303,9 +303,9 @@ def weights_digest(net: torch.nn.Module) -> str:
         # NOTE: in int64: float positions past 2**24 elements round beyond the last one
         idx = torch.arange(k, device=words.device, dtype=torch.int64) * (n - 1) // max(k - 1, 1)
         samples.append(words[idx].to(torch.int64))
-    if sums:
-        h.update(torch.cat(sums).cpu().numpy().tobytes())
-        h.update(torch.cat(samples).cpu().numpy().tobytes())
+    if sums:  # NOTE: each to the host first: a model may span devices
+        h.update(torch.cat([x.cpu() for x in sums]).numpy().tobytes())
+        h.update(torch.cat([x.cpu() for x in samples]).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
