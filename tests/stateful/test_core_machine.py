@@ -50,9 +50,10 @@ def test_machine_covers_every_declared_transition() -> None:
     and every step keeps integrity, model residency and page contents right."""
     covered: Counter[tuple[RunState, Event]] = Counter()
     examples = settings().max_examples
-    # NOTE: the draws are derandomized from the code's digest, so a rare transition can go
-    # unreached for one digest; a bounded second round with more examples reaches it.
-    for _ in range(2):
+    # NOTE: the draws are derandomized, but the runs they lead to still vary between
+    # processes (one CI run in many left L2__H2S_H2D --fail_h2d--> unreached after two
+    # rounds); bounded further rounds, each with twice the examples, reach a rare transition.
+    for _ in range(3):
         for machine in MACHINES:
             run_state_machine_as_test(machine, settings=settings(max_examples=examples))
         covered = sum(({id(m.coverage): m.coverage for m in MACHINES}).values(), Counter())
