@@ -51,8 +51,8 @@ def test_machine_covers_every_declared_transition() -> None:
     covered: Counter[tuple[RunState, Event]] = Counter()
     examples = settings().max_examples
     # NOTE: the draws are derandomized, but the runs they lead to still vary between
-    # processes (one CI run in many left L2__H2S_H2D --fail_h2d--> unreached after two
-    # rounds); bounded further rounds, each with twice the examples, reach a rare transition.
+    # processes, and a rare transition (L2__H2S_H2D --fail_h2d-->) can stay unreached after
+    # two rounds; bounded further rounds, each with twice the examples, reach it.
     for _ in range(3):
         for machine in MACHINES:
             run_state_machine_as_test(machine, settings=settings(max_examples=examples))
