@@ -282,8 +282,9 @@ def weights_digest(net: torch.nn.Module) -> str:
     """A digest of ``net``'s weights' content, the same on every device and process for the
     same values: per parameter and buffer (by name, with shape and dtype), the int64 sum and
     sum of squares of its bits (as int16 words, or bytes) and ``DIGEST_SAMPLES`` of them
-    evenly spaced. One pass over the weights on their device (tens of milliseconds for an 8B
-    model on a GPU); other weights differ in it whatever their shapes."""
+    evenly spaced. One pass over the weights on their device, once per engine with L3 (a
+    read of every weight byte, 16 GB for an 8B model in bf16, in chunks of ``DIGEST_CHUNK``
+    elements); other weights differ in it whatever their shapes."""
     h = hashlib.sha256()
     sums: list[torch.Tensor] = []
     samples: list[torch.Tensor] = []
