@@ -29,6 +29,11 @@ SCENARIOS = {
 }
 
 
+def _num(value: Any) -> float:
+    """A figure from a result file, null (nothing to compare against) as NaN."""
+    return float("nan") if value is None else float(value)
+
+
 def _title(meta: dict[str, Any]) -> str:
     return f"{meta.get('model', '?')} ({meta.get('dtype', '?')}) on {meta.get('device', '?')}, {meta.get('date', '')}"
 
@@ -141,8 +146,3 @@ if __name__ == "__main__":
     ap.add_argument("files", nargs="+", type=Path, metavar="FILE.json", help="bench_hicache*.json results")
     for name in ap.parse_args().files:
         replot(name)
-
-
-def _num(value: Any) -> float:
-    """A figure from a result file, null (nothing to compare against) as NaN."""
-    return float("nan") if value is None else float(value)

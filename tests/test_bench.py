@@ -90,6 +90,18 @@ def test_results_go_outside_the_checkout_by_default(monkeypatch: pytest.MonkeyPa
     assert common.default_out() == tmp_path
 
 
+@pytest.mark.parametrize("kind", ["bench_hicache-", "bench_hicache_stress-"])
+def test_the_replot_command_redraws_a_result(tmp_path: Path, kind: str) -> None:
+    """``python bench/plots.py FILE.json``, as RESULTS.md says, for a latency and a stress
+    result: run as a script (its module-level helpers defined before the script part)."""
+    src = sorted((ROOT / "bench" / "results").glob(f"{kind}qwen3-8b-*-h200-*.json"))[-1]
+    shutil.copy(src, tmp_path / src.name)
+    run = subprocess.run([sys.executable, "plots.py", str(tmp_path / src.name)], cwd=ROOT / "bench",
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / src.name).with_suffix(".png").stat().st_size > 0
+
+
 def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
     """Every curated bench_hicache result's chart can be drawn again from its JSON."""
     import plots
