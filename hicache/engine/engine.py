@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -365,6 +365,7 @@ class Engine:
         self._idle_streak = 0  # idle steps in a row while every restore reads storage
         self._admission_held = False  # a request gave its pins back for others: admit none until one moves
         self._starting: list[tuple[_Seq, Plan]] = []  # admitted in this step, restore not yet started
+        self._starts_beside_prefill_done: float | None = None  # when this step's starts beside its prefill returned
         self._batch_end: Any = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
 
     # -- requests ----------------------------------------------------------------------------
@@ -471,17 +472,29 @@ class Engine:
         if not prefill and not decoding:
             self._start_restores()  # no forward to run them beside
         ran = idle = False
-        restoring = any(s.state is SeqState.RESTORING for s in self._active.values())
         if prefill:
             assert ready is not None
+            # restores in flight before this step's starts (those start beside the prefill)
+            pending = any(s.state is SeqState.RESTORING and s.restore is not None for s in self._active.values())
             t0, beside = time.perf_counter(), self.stats.restore_issue_s_beside_prefill
-            ran = bool(self._guarded(ready, self._prefill))
+            self._starts_beside_prefill_done = None
+            try:
+                ran = bool(self._guarded(ready, self._prefill))
+            except BaseException:
+                self._abandon_starts()  # escaped before the prefill's launch started them
+                raise
             self._prefills_in_row += ran
-            if ran and restoring:
+            # Prefill time while a restore was pending: all of it (less the starts' host time,
+            # which is the restores' own) with one in flight before, else from the starts on.
+            now, since = time.perf_counter(), cast("float | None", self._starts_beside_prefill_done)  # set by _prefill
+            if ran and pending:
                 beside = self.stats.restore_issue_s_beside_prefill - beside
-                self.stats.prefill_s_while_restoring += max(0.0, time.perf_counter() - t0 - beside)
+                self.stats.prefill_s_while_restoring += max(0.0, now - t0 - beside)
+            elif ran and since is not None and any(s.restore is not None for s in self._active.values()):
+                self.stats.prefill_s_while_restoring += max(0.0, now - since)
         if self._starting and (ran or not decoding):
             self._start_restores()  # the prefill did not start them (no room for it, or it failed first)
+        restoring = any(s.state is SeqState.RESTORING for s in self._active.values())
         if ran:
             self._admission_held = False
         else:
@@ -616,6 +629,15 @@ class Engine:
             if beside is not None and any_started:
                 name = f"restore_issue_s_beside_{beside}"
                 setattr(self.stats, name, getattr(self.stats, name) + time.perf_counter() - t0)
+
+    def _abandon_starts(self) -> None:
+        """The restores admitted in this step will not start (an exception escapes the step
+        before they could): their requests recompute instead of waiting for them."""
+        starting, self._starting = self._starting, []
+        for seq, _ in starting:
+            if self._active.get(seq.id) is seq and seq.state is SeqState.RESTORING and seq.restore is None:
+                seq.state = SeqState.READY
+                self._restore_failed(seq)
 
     def _start_restore(self, seq: _Seq, plan: Plan) -> None:
         cache = self.cache
@@ -804,12 +826,15 @@ class Engine:
             if beside:
                 with self.runner.after(mark):
                     self._start_restores(beside="prefill")
-                starts_done = time.perf_counter()
+                starts_done = self._starts_beside_prefill_done = time.perf_counter()
         # The prefill's own time leaves out the starts' host time, unless the forward was still
-        # running when they returned (then the wait for its logits is the forward's).
+        # running when they returned (then the wait for its logits is the forward's). On a GPU
+        # a forward that ended during the starts ended at some unknown point of them: its time
+        # is reported but does not teach the cost model (it would be short of the device's).
         busy = beside and self._batch_end is not None and not self._batch_end.query()
         excluded = starts_done - launched if beside and not busy else 0.0
-        self._first_token(seq, logits, cached, own, t0 + excluded, observe=True)
+        unsure = beside and self._batch_end is not None and not busy
+        self._first_token(seq, logits, cached, own, t0 + excluded, observe=not unsure)
         return True
 
     def _first_token(
