@@ -321,17 +321,18 @@ class Engine:
         self.net = net
         if kv_geometry(self.net, g.page_size) != g:
             raise ConfigError(f"the model's KV geometry {kv_geometry(self.net, g.page_size)} differs from {g}")
-        if cc.l3_pages:
+        ModelRunner.check_settings(config.attention, config.cudnn, cc.device)  # before the cache opens a store
+        if cc.l3_pages and cc.storage_backend != "file":
             # NOTE: a shared store keys pages by the model's identity: the weights actually
             # run name it, not only the model's name (a net given in its place, a checkpoint
-            # rewritten in place, a preset built differently elsewhere never match).
+            # rewritten in place, a preset built differently elsewhere do not match). The
+            # file store is private to this cache: nothing to tell apart.
             cc = dataclasses.replace(cc, model_id=f"{cc.model_id}:weights={weights_digest(self.net)}")
             config = dataclasses.replace(config, cache=cc)
         self.config = config
         self.enabled = config.enabled
         self.prefetch = config.prefetch
         self.max_batch = config.max_batch
-        ModelRunner.check_settings(config.attention, config.cudnn, cc.device)  # before the cache opens a store
         self.cache = HiCache(cc)
         try:
             self.runner = ModelRunner(

@@ -272,33 +272,50 @@ def model_identity(model: str, seed: int = 0) -> str:
     return f"checkpoint:{p.resolve().name}:{h.hexdigest()[:16]}"
 
 
-# Elements per step of :func:`weights_digest`: its int64 temporaries stay at 128 MiB.
-DIGEST_CHUNK = 1 << 24
+# Elements per step of :func:`weights_digest` (its int64 temporaries: 3 x 64 MiB).
+DIGEST_CHUNK = 1 << 23
 DIGEST_SAMPLES = 4096
+# Position weights of the digest's third sum: odd, so two values swapped between positions
+# change it unless the positions' weights agree (a 1 in 2**31 chance for a pair).
+_DIGEST_MULT = 0x9E3779B1
 
 
 @torch.inference_mode()
 def weights_digest(net: torch.nn.Module) -> str:
-    """A digest of ``net``'s weights' content, the same on every device and process for the
-    same values: per parameter and buffer (by name, with shape and dtype), the int64 sum and
-    sum of squares of its bits (as int16 words, or bytes) and ``DIGEST_SAMPLES`` of them
-    evenly spaced. One pass over the weights on their device, once per engine with L3 (a
-    read of every weight byte, 16 GB for an 8B model in bf16, in chunks of ``DIGEST_CHUNK``
-    elements); other weights differ in it whatever their shapes."""
+    """A fingerprint of ``net``'s weights' content, the same on every device and process for
+    the same values: per parameter and buffer (by name, with shape and dtype), over its bits
+    (as int16 words, or bytes): their int64 sum, sum of squares and sum weighted by position,
+    and ``DIGEST_SAMPLES`` of them evenly spaced. Other weights (another seed, another
+    checkpoint, one value changed or two swapped) differ in it but for a chance collision of
+    the sums. One pass over the weights on their device, once per engine with a shared L3
+    (a read of every weight byte, 16 GB for an 8B model in bf16, in chunks of
+    ``DIGEST_CHUNK`` elements). ConfigError for weights without values here (the meta
+    device) or not strided (sparse)."""
     h = hashlib.sha256()
     sums: list[torch.Tensor] = []
     samples: list[torch.Tensor] = []
     for name, t in itertools.chain(net.named_parameters(), net.named_buffers()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        flat = t.detach().contiguous().reshape(-1)
+        if t.is_meta or t.layout is not torch.strided:
+            raise ConfigError(
+                f"cannot fingerprint the weights: {name} is {'on the meta device' if t.is_meta else t.layout}"
+            )
+        t = t.detach()
+        if t.is_quantized:
+            t = t.int_repr()  # NOTE: a view of a quantized tensor stays quantized
+        flat = t.contiguous().reshape(-1)
         if flat.numel() == 0:
             continue
         words = flat.view(torch.int16 if flat.element_size() % 2 == 0 else torch.int8)
-        acc = torch.zeros(2, dtype=torch.int64, device=words.device)
+        acc = torch.zeros(3, dtype=torch.int64, device=words.device)
+        start = 0
         for chunk in torch.split(words, DIGEST_CHUNK):
             wide = chunk.to(torch.int64)
             acc[0] += wide.sum()
             acc[1] += (wide * wide).sum()
+            pos = torch.arange(start, start + wide.numel(), device=wide.device, dtype=torch.int64)
+            acc[2] += (wide * ((pos * _DIGEST_MULT) & 0x7FFFFFFF)).sum()
+            start += wide.numel()
         sums.append(acc)
         n, k = words.numel(), min(words.numel(), DIGEST_SAMPLES)
         # NOTE: in int64: float positions past 2**24 elements round beyond the last one
