@@ -175,6 +175,7 @@ def rotate(
             "idle_s_while_restoring",
             "restore_issue_s",
             "restore_issue_s_beside_decode",
+            "restore_issue_s_beside_prefill",
             "layered_launch_s",
             "layered_prefills",
             "idle_polls",

@@ -3,6 +3,7 @@ typed error raised before anything changed, never an untyped exception or silent
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,26 @@ def test_an_engine_refused_while_built_leaves_its_store_unlocked(
     e = Engine("tiny", **kw)  # type: ignore[arg-type]
     assert e.generate(list(range(20)), max_new_tokens=1).error is None
     e.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "says"),
+    [
+        (("boom",), {}, "unknown fault kind 'boom'"),
+        (("eio", 0), {}, "count must be an int >= 1, got 0"),
+        (("eio", True), {}, "count must be an int >= 1, got True"),
+        (("eio", 1.5), {}, "count must be an int >= 1, got 1.5"),
+        (("eio",), {"op": "both"}, "op must be 'read', 'write' or 'any', got 'both'"),
+        (("slow",), {"delay_s": -1.0}, "delay_s must be a finite number of seconds >= 0, got -1.0"),
+        (("slow",), {"delay_s": float("nan")}, "delay_s must be a finite number of seconds >= 0, got nan"),
+    ],
+)
+def test_a_bad_fault_is_refused_and_queues_nothing(
+    args: tuple[object, ...], kwargs: dict[str, object], says: str
+) -> None:
+    from hicache.backends.faults import FaultInjector
+
+    faults = FaultInjector()
+    with pytest.raises(MisuseError, match=re.escape(says)):
+        faults.add(*args, **kwargs)  # type: ignore[arg-type]
+    assert faults.take("read") is None and faults.take("write") is None

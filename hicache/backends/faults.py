@@ -7,6 +7,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from hicache.errors import MisuseError
+
 FaultKind = Literal["eio", "enospc", "short", "eof", "corrupt", "slow", "fail", "hang"]
 KINDS: tuple[FaultKind, ...] = ("eio", "enospc", "short", "eof", "corrupt", "slow", "fail", "hang")
 HANG_S = 3600.0  # how long a ``hang`` blocks when neither released nor given ``delay_s``
@@ -44,7 +46,13 @@ class FaultInjector:
         self, kind: FaultKind, count: int = 1, *, op: Literal["read", "write", "any"] = "any", delay_s: float = 0.0
     ) -> None:
         if kind not in KINDS:
-            raise ValueError(f"unknown fault kind {kind!r}; choose from {KINDS}")
+            raise MisuseError(f"unknown fault kind {kind!r}; choose from {KINDS}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise MisuseError(f"count must be an int >= 1, got {count!r}")
+        if op not in ("read", "write", "any"):
+            raise MisuseError(f"op must be 'read', 'write' or 'any', got {op!r}")
+        if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not 0 <= delay_s < float("inf"):
+            raise MisuseError(f"delay_s must be a finite number of seconds >= 0, got {delay_s!r}")
         with self._lock:
             self._queue.extend(Fault(kind, op, delay_s) for _ in range(count))
 

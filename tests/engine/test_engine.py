@@ -656,6 +656,19 @@ def test_a_restore_admitted_beside_a_prefill_with_no_room_starts_in_the_same_ste
     e.cache.check_integrity()
 
 
+def _prefill_samples(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The prefill times the engine teaches its cost model from now on (still taught)."""
+    samples: list[float] = []
+    observe = e.cache.observe_prefill
+
+    def observed(tokens: int, seconds: float) -> None:
+        samples.append(seconds)
+        observe(tokens, seconds)
+
+    monkeypatch.setattr(e.cache, "observe_prefill", observed)
+    return samples
+
+
 @pytest.mark.parametrize("with_restore", [True, False])
 def test_a_prefills_own_time_leaves_out_the_restore_starts_beside_it(
     monkeypatch: pytest.MonkeyPatch, with_restore: bool
@@ -679,14 +692,7 @@ def test_a_prefills_own_time_leaves_out_the_restore_starts_beside_it(
 
     monkeypatch.setattr(e.cache, "start_restore", slow_start)
     monkeypatch.setattr(e.runner, "forward", slow_forward)
-    samples: list[float] = []
-    observe = e.cache.observe_prefill
-
-    def observed(tokens: int, seconds: float) -> None:
-        samples.append(seconds)
-        observe(tokens, seconds)
-
-    monkeypatch.setattr(e.cache, "observe_prefill", observed)
+    samples = _prefill_samples(e, monkeypatch)
     rids = [e.submit(fresh, max_new_tokens=1)] + ([e.submit(prompt, max_new_tokens=1)] if with_restore else [])
     prefill_s = e.stats.prefill_s
     done = e.step()
@@ -724,14 +730,7 @@ def test_a_prefill_that_ended_during_the_starts_beside_it_teaches_the_cost_model
     they returned gives one, its logits' wait being its own)."""
     e, prompt, _ = _in_l2_only(23)
     monkeypatch.setattr(e, "_batch_end", _Event(ended))
-    samples: list[float] = []
-    observe = e.cache.observe_prefill
-
-    def observed(tokens: int, seconds: float) -> None:
-        samples.append(seconds)
-        observe(tokens, seconds)
-
-    monkeypatch.setattr(e.cache, "observe_prefill", observed)
+    samples = _prefill_samples(e, monkeypatch)
     fresh = random.Random(24).choices(range(512), k=23)
     e.submit(fresh, max_new_tokens=1)
     e.submit(prompt, max_new_tokens=1)
