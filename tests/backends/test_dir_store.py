@@ -359,3 +359,46 @@ def test_a_directory_held_by_another_process_names_its_pid(tmp_path: Path) -> No
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=60)
+
+
+def test_a_refusal_for_room_leaves_the_directory_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system without room for the store's capacity refuses the store, and a new
+    store leaves nothing behind: a directory it made is gone, an empty one stays empty (its
+    mode unchanged), a user's lock-file-only directory keeps just that; an existing store
+    keeps its FORMAT, lock file and pages. With room again, each opens."""
+    real = os.statvfs
+
+    class Full:
+        f_bavail, f_frsize = 1, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda fd: Full())
+    new = tmp_path / "new"
+    with pytest.raises(ConfigError, match="more bytes, only 4096 free"):
+        dir_store(new)
+    assert not new.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    empty.chmod(0o755)
+    with pytest.raises(ConfigError, match="more bytes"):
+        dir_store(empty)
+    assert not any(empty.iterdir()) and stat.S_IMODE(empty.stat().st_mode) == 0o755
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    (locked / "LOCK").write_text("")
+    with pytest.raises(ConfigError, match="more bytes"):
+        dir_store(locked)
+    assert sorted(p.name for p in locked.iterdir()) == ["LOCK"]
+    monkeypatch.setattr(os, "statvfs", real)
+    store = tmp_path / "store"
+    s = dir_store(store)
+    fill(s.host, [0], [0])
+    assert s.write([0], [0], KEYS[:1]).wait()
+    s.close()
+    files = sorted(p.name for p in store.iterdir())
+    monkeypatch.setattr(os, "statvfs", lambda fd: Full())
+    with pytest.raises(ConfigError, match="more bytes"):
+        dir_store(store)
+    assert sorted(p.name for p in store.iterdir()) == files and "FORMAT" in files
+    monkeypatch.setattr(os, "statvfs", real)
+    for d in (new, empty, locked, store):
+        dir_store(d).close()

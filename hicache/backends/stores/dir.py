@@ -103,19 +103,24 @@ class DirStore:
         self._writing = 0  # pages reserved by puts in flight
         self._tmp = itertools.count()
         self.counts = {"evicted": 0, "dropped_corrupt": 0, "dropped_at_open": 0, "temp_removed_at_open": 0}
+        made = not self.path.exists()
         self.dirfd = _open_dir(self.path)
         self.lockfd = -1
+        before: set[str] = set()
         try:
-            _check_adoptable(self.dirfd, self.path)  # before the lock file is made in it
+            before = _check_adoptable(self.dirfd, self.path)  # before the lock file is made in it
             self.lockfd = _lock_dir(self.dirfd, self.path)
+            if "FORMAT" not in before:
+                self._check_room()  # NOTE: a new store: refused for room before any file is made
             self._check_format()
             self._scan()
             self._check_room()
-        except OSError as exc:
+        except BaseException as exc:
+            if self.lockfd >= 0 and "FORMAT" not in before:
+                self._undo_new(made, before)  # a refused new store leaves the directory as it was
             self.close()
-            raise ConfigError(f"L3 directory {self.path}: cannot set up its files ({exc.strerror or exc})") from exc
-        except BaseException:
-            self.close()
+            if isinstance(exc, OSError):
+                raise ConfigError(f"L3 directory {self.path}: cannot set up its files ({exc.strerror or exc})") from exc
             raise
 
     # -- opening -------------------------------------------------------------------------------
@@ -190,6 +195,16 @@ class DirStore:
         finally:
             os.close(fd)
         return None if parsed is None else parsed[0]
+
+    def _undo_new(self, made: bool, before: set[str]) -> None:
+        """Remove what opening a new store made (its FORMAT, its lock file, the directory
+        itself), best effort, while its lock is still held."""
+        for name in ("FORMAT.tmp", "FORMAT", *(() if "LOCK" in before else ("LOCK",))):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self.dirfd)
+        if made:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()  # only if empty
 
     def _check_room(self) -> None:
         vfs = os.statvfs(self.dirfd)
@@ -405,10 +420,10 @@ def _open_dir(path: Path) -> int:
     return fd
 
 
-def _check_adoptable(dirfd: int, path: Path) -> None:
+def _check_adoptable(dirfd: int, path: Path) -> set[str]:
     """A directory without a store (no FORMAT file) must hold nothing but a lock file:
     opening a store scans it and deletes what looks like a broken page or temp file, so it
-    never adopts a user's directory."""
+    never adopts a user's directory. Returns the names it holds."""
     names = set(os.listdir(dirfd))
     foreign = sorted(names - {"LOCK"})
     if "FORMAT" not in names and foreign:
@@ -417,6 +432,7 @@ def _check_adoptable(dirfd: int, path: Path) -> None:
             f"L3 directory {path} is not empty and holds no hicache store (no FORMAT file; it has {shown}); "
             "give an empty or new directory"
         )
+    return names
 
 
 def _lock_dir(dirfd: int, path: Path) -> int:
