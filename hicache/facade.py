@@ -244,9 +244,10 @@ class HiCache:
 
     # -- the controller's calls ------------------------------------------------------------
 
-    def admit(self, tokens: object) -> Request:
-        """Match ``tokens`` once and pin the L1 hit (:meth:`Controller.admit`)."""
-        return self.controller.admit(tokens)
+    def admit(self, tokens: object, *, at_most: int | None = None) -> Request:
+        """Match ``tokens`` once (within the first ``at_most`` tokens, if given) and pin the
+        L1 hit (:meth:`Controller.admit`)."""
+        return self.controller.admit(tokens, at_most=at_most)
 
     def plan(self, req: Request) -> Plan:
         """Restore from L2, L3 or recompute: a decision only (:meth:`Controller.plan`)."""

@@ -235,11 +235,17 @@ class Controller:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def admit(self, tokens: object) -> Request:
-        """Match ``tokens`` (one tree walk; changes no residency) and pin the L1 hit."""
+    def admit(self, tokens: object, *, at_most: int | None = None) -> Request:
+        """Match ``tokens`` (one tree walk; changes no residency) and pin the L1 hit.
+        ``at_most``: match (so pin and restore) only the pages within the first ``at_most``
+        tokens; an engine that computes the last prompt token anyway passes ``len - 1``, so a
+        fully cached page-aligned prompt does not pin (or restore) the last page it
+        recomputes. :meth:`insert` still hands all the prompt's pages to the tree."""
         self._enter()
         toks = as_tokens(tokens)
-        match = self.core.match_valid(toks)
+        if at_most is not None and (isinstance(at_most, bool) or not isinstance(at_most, int) or at_most < 0):
+            raise MisuseError(f"admit: at_most must be None or an int >= 0, got {at_most!r}")
+        match = self.core.match_valid(toks if at_most is None or at_most >= len(toks) else toks[:at_most])
         req = Request(next(self._ids), toks, match, cached_len=match.l1.length)
         if match.l1.length:
             # NOTE: pin the hit only: a hit ending inside a run splits it there (no residency
@@ -248,7 +254,7 @@ class Controller:
             req.lease = self.core.lock(hit)
             req.pages = self.core.pages_l1(hit)
         try:
-            self._discover(req)
+            self._discover(req, len(toks) if at_most is None else at_most)
         except BaseException:
             # NOTE: a refusal (tokens a keyed store cannot name) leaves nothing pinned.
             if req.lease is not None:
@@ -263,13 +269,14 @@ class Controller:
                 self._backup(node)
         return req
 
-    def _discover(self, req: Request) -> None:
+    def _discover(self, req: Request, at_most: int) -> None:
         """A prompt that misses past every local copy: ask a shared store (one batched,
-        bounded ``exists``) how many of its pages it holds, and record those as L3 runs."""
+        bounded ``exists``) how many of its pages within ``at_most`` tokens it holds, and
+        record those as L3 runs."""
         storage, seed, ps = self.storage, self.key_seed, self.core.page_size
         if storage is None or seed is None or not storage.shared or not storage.keyed:
             return
-        aligned = len(req.tokens) // ps
+        aligned = min(len(req.tokens), at_most) // ps
         if aligned <= max(req.match.lengths) // ps or not storage.available:
             return
         keys = page_keys(seed, req.tokens[: aligned * ps], ps)

@@ -587,7 +587,11 @@ class Engine:
         self._active[seq.id] = seq
         seq.state = SeqState.READY
         try:
-            seq.req = cache.admit(seq.prompt)
+            # NOTE: the last prompt token is always computed (its logits start decoding), so
+            # a fully cached page-aligned prompt's last page is recomputed into a private
+            # page: matched only below it, that page is neither pinned nor restored, and the
+            # request fits in the pages submit() checked for.
+            seq.req = cache.admit(seq.prompt, at_most=len(seq.prompt) - 1)
         except BaseException as exc:
             if not isinstance(exc, HiCacheError) or isinstance(exc, IntegrityError):
                 # NOTE: not the request's failure (a bug, an interrupt): it was not admitted,

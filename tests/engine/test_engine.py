@@ -283,7 +283,7 @@ def test_decode_overlaps_a_pending_restore_and_abort_mid_restore_leaks_nothing()
     e.cache.core.evict(Tier.L1, 10**6)
     e.cache.core.evict(Tier.L2, 10**6)
     e.cache.faults.add("slow", op="read", delay_s=0.2)
-    rid = e.submit(a, max_new_tokens=3)
+    rid = e.submit([*a, 9], max_new_tokens=3)  # a tail token: the whole of `a` is restored
     e.step()
     assert e.status()["active"] == {"waiting": 0, "restoring": 1, "ready": 0, "decoding": 0}
     assert e.abort(rid) and not e.abort(rid)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from hicache.engine import Engine
 from hicache.engine.engine import EngineConfig, RequestFailed, SeqState
@@ -51,13 +52,15 @@ def drop(e: Engine, *tiers: Tier) -> None:
 @pytest.mark.parametrize("length", [1, PS - 1, PS, PS + 1, 3 * PS + 2])
 def test_prompts_around_a_page_are_served_and_restored_bit_exactly(length: int, policy: str) -> None:
     """1, page-1, page, page+1 tokens and more, under every write policy: the prompt again,
-    restored from L2 and then from L3, gives the tokens and first logits of an L1 hit."""
+    restored from L2 and then from L3, gives the tokens and first logits of an L1 hit. The
+    last prompt token is always computed, so the cached prefix is the whole pages before it
+    (a page-aligned prompt recomputes its last page)."""
     e = engine(write_policy=policy)
     prompt = [(7 * i + 3) % 500 for i in range(length)]
     e.generate(prompt, max_new_tokens=3)
     hit = e.generate(prompt, max_new_tokens=3)  # over its cached prefix, as a restore reads it
     e.generate(prompt, max_new_tokens=3)  # a second hit: write_through_selective backs it up
-    aligned = length - length % PS
+    aligned = (length - 1) // PS * PS
     assert hit.cached_tokens == aligned
     for tiers, source in (((Tier.L1,), "L2"), ((Tier.L1, Tier.L2), "L3")):
         drop(e, *tiers)
@@ -67,6 +70,57 @@ def test_prompts_around_a_page_are_served_and_restored_bit_exactly(length: int, 
         assert again.first_logits is not None and hit.first_logits is not None
         assert bool((again.first_logits == hit.first_logits).all())
     e.cache.check_integrity()
+    e.close()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("pages", [1, 2, 5])
+def test_a_cached_page_aligned_prompt_that_fills_the_pool_is_served_again(pages: int, policy: str) -> None:
+    """A page-aligned prompt whose tokens and new tokens fill L1 exactly (what submit
+    checks) is served cached from L1, then restored from L2 and L3, with the cold tokens:
+    its last page, recomputed anyway, is neither pinned nor restored."""
+    max_new = 2
+    prompt = [(11 * i + 5) % 500 for i in range(pages * PS)]
+    num_pages = -(-(len(prompt) + max_new) // PS)
+    cold = Engine("tiny", device="cpu", page_size=PS, num_pages=num_pages)
+    want = cold.generate(prompt, max_new_tokens=max_new)
+    cold.close()
+    e = engine(num_pages=num_pages, write_policy=policy)
+    first = e.generate(prompt, max_new_tokens=max_new)
+    runs = [e.generate(prompt, max_new_tokens=max_new), e.generate(prompt, max_new_tokens=max_new)]
+    for tiers in ((Tier.L1,), (Tier.L1, Tier.L2)):
+        drop(e, *tiers)
+        runs.append(e.generate(prompt, max_new_tokens=max_new))
+    for out in [first, *runs]:
+        assert out.error is None and out.tokens == want.tokens, out
+        assert out.first_logits is not None and want.first_logits is not None
+        assert torch.equal(out.first_logits, want.first_logits)
+    assert [o.cached_tokens for o in runs] == [(pages - 1) * PS] * 4
+    restored = [o.restored_from for o in runs[2:]]
+    assert restored == (["L2", "L3"] if pages > 1 else ["L1", "L1"])
+    st = e.cache.status()
+    assert st.requests == 0 and st.core.leases == 0 and st.core.tiers[0].private == 0
+    e.cache.check_integrity()
+    e.close()
+
+
+def test_a_partial_match_limit_is_checked_and_the_facade_keeps_whole_hits() -> None:
+    """``admit(at_most=...)`` caps the match (page-aligned below it); a bad value is a
+    MisuseError that pins nothing; without it the whole cached prompt is the hit."""
+    e = engine()
+    prompt = list(range(3 * PS))
+    e.generate(prompt)
+    cache = e.cache
+    cache.drain()
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(MisuseError, match="at_most"):
+            cache.admit(prompt, at_most=bad)  # type: ignore[arg-type]
+    assert cache.status().requests == 0 and cache.status().core.leases == 0
+    for at_most, want in ((None, 3 * PS), (3 * PS, 3 * PS), (3 * PS - 1, 2 * PS), (PS, PS), (0, 0), (10**9, 3 * PS)):
+        req = cache.admit(prompt, at_most=at_most)
+        assert req.cached_len == want and len(cache.prefix_pages(req)) == want // PS, at_most
+        cache.release(req)
+    assert cache.status().core.leases == 0
     e.close()
 
 
@@ -115,7 +169,7 @@ def test_a_request_that_cannot_be_served_finishes_with_an_error_and_the_engine_g
     rid = e.submit([1, 2, 3, 4, 5])
     real = e.cache.admit
 
-    def refusing(tokens: object) -> object:
+    def refusing(tokens: object, **kw: object) -> object:
         raise MisuseError("refused for this test")
 
     e.cache.admit = refusing  # type: ignore[method-assign, assignment]
