@@ -468,37 +468,58 @@ def main(argv: list[str] | None = None) -> int:
     d_w, d_f, d_c = Workload(), Fleet(), Costs()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--instances", type=at_least(1), nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--requests", type=at_least(1), default=d_w.requests)
+    ap.add_argument("--requests", type=at_least(1), default=None, help=f"default: {d_w.requests} (--quick: 6000)")
     ap.add_argument("--seed", type=int, default=d_w.seed)
-    ap.add_argument("--system-prompts", type=int, default=d_w.system_prompts)
+    ap.add_argument(
+        "--system-prompts", type=at_least(1), default=None, help=f"default: {d_w.system_prompts} (--quick: 20)"
+    )
     ap.add_argument("--system-zipf", type=float, default=d_w.system_zipf)
     ap.add_argument("--system-tokens", type=int, nargs=2, default=d_w.system_tokens, metavar=("MIN", "MAX"))
-    ap.add_argument("--conversations", type=int, default=d_w.conversations, help="conversation slots")
+    ap.add_argument(
+        "--conversations",
+        type=at_least(1),
+        default=None,
+        help=f"conversation slots (default: {d_w.conversations}; --quick: 300)",
+    )
     ap.add_argument("--conversation-zipf", type=float, default=d_w.conversation_zipf)
     ap.add_argument("--turns-mean", type=float, default=d_w.turns_mean, help="1/this of requests start a conversation")
     ap.add_argument("--user-tokens", type=int, nargs=2, default=d_w.user_tokens, metavar=("MIN", "MAX"))
     ap.add_argument("--output-tokens", type=int, nargs=2, default=d_w.output_tokens, metavar=("MIN", "MAX"))
-    ap.add_argument("--max-context", type=int, default=d_w.max_context)
+    ap.add_argument("--max-context", type=at_least(1), default=d_w.max_context)
     ap.add_argument("--insert-output", action="store_true", help="cache replies too (SGLang does; hicache: prompt)")
-    ap.add_argument("--l1-tokens", type=int, default=d_f.l1_tokens)
-    ap.add_argument("--l2-tokens", type=int, default=d_f.l2_tokens)
-    ap.add_argument("--l3-tokens", type=int, default=d_f.l3_tokens, help="per-instance L3")
-    ap.add_argument("--shared-l3-tokens", type=int, default=None, help="default: instances x --l3-tokens")
+    ap.add_argument("--l1-tokens", type=at_least(1), default=None, help=f"default: {d_f.l1_tokens} (--quick: 40000)")
+    ap.add_argument("--l2-tokens", type=at_least(0), default=None, help=f"default: {d_f.l2_tokens} (--quick: 120000)")
+    ap.add_argument(
+        "--l3-tokens",
+        type=at_least(0),
+        default=None,
+        help=f"per-instance L3 (default: {d_f.l3_tokens}; --quick: 480000)",
+    )
+    ap.add_argument("--shared-l3-tokens", type=at_least(0), default=None, help="default: instances x --l3-tokens")
     ap.add_argument("--router", choices=["round_robin", "random"], default=d_f.router)
     ap.add_argument("--warmup", type=float, default=d_f.warmup, help="fraction of requests left out of the figures")
     for name, value in asdict(d_c).items():
         if name not in ("bytes_per_token", "page_tokens"):
             ap.add_argument(f"--{name.replace('_', '-')}", type=float, default=value)
-    ap.add_argument("--bytes-per-token", type=int, default=d_c.bytes_per_token)
+    ap.add_argument("--bytes-per-token", type=at_least(1), default=d_c.bytes_per_token)
     ap.add_argument("--page-tokens", type=at_least(1), default=d_c.page_tokens)
     ap.add_argument("--quick", action="store_true", help="a small run for tests (seconds)")
     default_out = Path(os.environ.get("HICACHE_BENCH_OUT", "/tmp/hicache-bench"))
     ap.add_argument("--out", type=out_dir, default=default_out)
     ap.add_argument("--tag", type=tag_name, default=None, help="file name tag (default: quick or sim)")
     args = ap.parse_args(argv)
-    if args.quick:  # a smaller world: ~15x fewer requests, conversations and tier sizes
-        args.requests, args.conversations, args.system_prompts = 6000, 300, 20
-        args.l1_tokens, args.l2_tokens, args.l3_tokens = 40_000, 120_000, 480_000
+    # --quick: a smaller world, ~15x fewer requests, conversations and tier sizes (a flag given wins)
+    sizes = {
+        "requests": (d_w.requests, 6000),
+        "conversations": (d_w.conversations, 300),
+        "system_prompts": (d_w.system_prompts, 20),
+        "l1_tokens": (d_f.l1_tokens, 40_000),
+        "l2_tokens": (d_f.l2_tokens, 120_000),
+        "l3_tokens": (d_f.l3_tokens, 480_000),
+    }
+    for name, (full, quick) in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     workload = Workload(
         requests=args.requests,
         seed=args.seed,

@@ -255,7 +255,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=existing_dir, default=Path.cwd(), help="a directory on the disk to measure")
     ap.add_argument("--pages", type=at_least(1), nargs="+", default=[16, 64, 256])
-    ap.add_argument("--caller-pages", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--caller-pages", type=at_least(1), nargs="+", default=[256, 1024])
     ap.add_argument("--stores", nargs="+", default=["file", "dir"], choices=["file", "dir"])
     ap.add_argument("--modes", nargs="+", default=["buffered", "direct"], choices=["buffered", "direct"])
     ap.add_argument("--reps", type=at_least(1), default=3)

@@ -256,3 +256,25 @@ def test_the_quick_run_writes_json_and_png(tmp_path: Path) -> None:
     assert meta["seed"] == 0 and meta["git_commit"] and set(meta["costs"]) == set(meta["cost_sources"])
     assert all(0 <= r["hit_rate"] <= r["found_rate"] <= 1 for r in data["rows"])
     assert result.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flag", ["--requests", "--system-prompts", "--conversations", "--l1-tokens", "--max-context"])
+@pytest.mark.parametrize("value", ["0", "-5", "x"])
+def test_a_bad_size_is_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    """A count or size below its least value is a usage error naming the flag and value
+    (exit 2), with nothing written; with --quick too (it used to be silently replaced)."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        fleet.main(["--quick", flag, value, "--out", str(out)])
+    assert exc.value.code == 2 and f"{flag}: {value}:" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_quick_sizes_yield_to_the_flags_given(tmp_path: Path) -> None:
+    """--quick's smaller world fills only the sizes not given: --requests 50 runs 50."""
+    assert fleet.main(["--quick", "--instances", "1", "--requests", "50", "--out", str(tmp_path), "--tag", "q"]) == 0
+    meta = json.loads(next(tmp_path.glob("fleet-*-q.json")).read_text())["meta"]
+    assert meta["workload"]["requests"] == 50 and meta["workload"]["conversations"] == 300
+    assert meta["fleet"]["l1_tokens"] == 40_000
