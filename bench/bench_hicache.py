@@ -258,7 +258,10 @@ def parser() -> ArgParser:
         "--tiers", nargs="+", choices=["none", "l2", "l3"], default=["none", "l2", "l3"], help="none: recompute"
     )
     b.add_argument(
-        "--no-clock-burst", dest="clock_burst", action="store_false", help="do not warm the GPU up before each request"
+        "--no-clock-burst",
+        dest="clock_burst",
+        action="store_false",
+        help="do not warm the GPU up before each request (without this flag it is: clock_burst=%(default)s)",
     )
     b.add_argument(
         "--split-layered",

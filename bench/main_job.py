@@ -1,7 +1,7 @@
 """The main job (``scripts/run.sh``): the latency benchmark, then the stress benchmark, each
 given the options it has. An option both have (``--out``, ``--model``, ``--device``, ...) goes
 to both; one only the stress benchmark has (``--repeats``, ``--no-rotation``, ...) goes to it
-alone; one neither has is an error, before anything runs.
+alone; one neither has, or a value either would refuse, is an error before anything runs.
 
     python bench/main_job.py [OPTIONS]      (bench/bench_hicache.py --help and
                                              bench/bench_hicache_stress.py --help list them)
@@ -86,11 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv in (["-h"], ["--help"]):
         print(__doc__.strip())
         return 0
+    parsers = {name: make() for name, make in BENCHES.items()}
     try:
-        split = route(argv, {name: make() for name, make in BENCHES.items()})
+        split = route(argv, parsers)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for name, args in split.items():  # every value checked by its benchmark before either runs
+        try:
+            parsers[name].parse_args(args)
+        except SystemExit as exc:  # the parser printed "error: --flag VALUE: reason"
+            return exc.code if isinstance(exc.code, int) else 2
     for name, args in split.items():
         code = subprocess.call([sys.executable, str(HERE / name), *args])
         if code:

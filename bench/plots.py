@@ -1,6 +1,6 @@
 """Charts of the end-to-end benchmarks, drawn from their JSON (so a result can be redrawn).
 
-python bench/plots.py bench/results/*.json      # rewrites each FILE.png beside FILE.json
+python bench/plots.py bench/results/bench_hicache*.json   # rewrites each FILE.png beside FILE.json
 """
 
 from __future__ import annotations

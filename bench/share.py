@@ -136,7 +136,9 @@ def _summary(row: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    ap = argparse.ArgumentParser(prog="python bench/share.py", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python bench/share.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     cuda = torch.cuda.is_available()
     ap.add_argument("--model", default="qwen3-8b" if cuda else "tiny")
     ap.add_argument("--prefix-tokens", type=at_least(1), default=3500 if cuda else 256)

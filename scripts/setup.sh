@@ -21,8 +21,21 @@ EXTRAS=dev
 if .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   EXTRAS=dev,cuda  # cuda-python: the layered restore's strided DMAs
 fi
-.venv/bin/pip install -q -e ".[$EXTRAS]" 2>&1 | grep -v -E "^WARNING: Location" || true
-.venv/bin/python -c 'import hicache, transitions, hypothesis' 
+# Installed once per pyproject.toml and extras (a stamp in .venv): later runs skip pip. A failed
+# install stops here with pip's output.
+STAMP="$(sha256sum pyproject.toml | cut -c1-16) $EXTRAS"
+if [ "$(cat .venv/.hicache-installed 2>/dev/null)" != "$STAMP" ] \
+   || ! .venv/bin/python -c 'import hicache, transitions, hypothesis' 2>/dev/null; then
+  rm -f .venv/.hicache-installed
+  if ! .venv/bin/pip install -q -e ".[$EXTRAS]" >.venv/pip.log 2>&1; then
+    grep -v -E "^WARNING: Location" .venv/pip.log >&2 || true
+    echo "setup: pip install -e '.[$EXTRAS]' failed (above)" >&2
+    exit 1
+  fi
+  grep -v -E "^WARNING: Location" .venv/pip.log || true
+  echo "$STAMP" >.venv/.hicache-installed
+fi
+.venv/bin/python -c 'import hicache, transitions, hypothesis'
 # Mooncake Store for the `mooncake` L3 store and its tests (tests/mooncake): the CPU wheel,
 # and the native libraries it loads even for TCP (RDMA verbs, netlink), unpacked from the
 # distribution's packages into .venv/mooncake-libs (the tests point LD_LIBRARY_PATH there).

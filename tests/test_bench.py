@@ -321,6 +321,34 @@ def test_the_main_job_refuses_values_a_benchmark_would_refuse(argv: list[str], s
     assert split == {name: ["--prefix-tokens", "350"] for name in parsers}
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--requests", "abc"], "error: --requests abc: not an integer"),
+        (["--prefix-tokens", "0"], "error: --prefix-tokens 0: must be at least"),
+        (["--repeats", "-1"], "error: --repeats -1: must be at least"),
+    ],
+    ids=["both-not-an-int", "both-zero", "stress-only-negative"],
+)
+def test_the_main_job_checks_every_value_before_either_benchmark_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    """A value a benchmark refuses ends the main job with its usage error (exit 2) before
+    either benchmark starts (``--requests abc`` ran the whole latency benchmark first)."""
+    import main_job
+
+    started: list[list[str]] = []
+
+    def call(cmd: list[str]) -> int:
+        started.append(cmd)
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", call)
+    assert main_job.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert started == [] and says in capsys.readouterr().err
+    assert main_job.main(["--out", str(tmp_path / "out")]) == 0 and len(started) == 2
+
+
 def test_the_main_job_refuses_an_unknown_option_in_one_line() -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "main_job.py"), "--bogus", "1"],

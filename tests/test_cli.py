@@ -493,3 +493,16 @@ def test_an_unavailable_l3_is_a_warning_line(
     monkeypatch.setattr(HiCache, "status", real)
     code, out, err = run_main(["--enable-hicache", "--hicache-storage-ratio", "1", "--requests", "2"], capsys)
     assert code == 0 and "L3 unavailable" not in err
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 9, 10, 11, 20, 101])
+def test_the_summary_percentiles_are_nearest_rank(n: int) -> None:
+    """The median and p90 are the nearest-rank values (rank ceil(q * n)): with 2 values the
+    median is the smaller, with 10 the p90 is the 9th (round-half-even made them the max)."""
+    from hicache.engine.__main__ import percentile
+
+    values = [float(i) for i in range(1, n + 1)]
+    for q in (0.5, 0.9, 1.0):
+        got = percentile(values, q)
+        assert sum(v <= got for v in values) >= q * n  # at least q of them at or below it
+        assert sum(v < got for v in values) < q * n  # and it is the smallest such value

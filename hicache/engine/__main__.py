@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import random
 import sys
 import time
@@ -93,8 +94,9 @@ def digest(prompts: list[list[int]]) -> str:
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of a non-empty sorted list."""
-    return sorted_values[min(len(sorted_values) - 1, max(0, round(q * len(sorted_values) + 0.5) - 1))]
+    """Nearest-rank percentile of a non-empty sorted list: the smallest value with at least
+    ``q`` of the values at or below it (rank ceil(q * n), counted from 1)."""
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
 
 
 def serve(

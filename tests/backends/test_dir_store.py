@@ -226,16 +226,19 @@ def test_size_is_bounded_with_lru_eviction(tmp_path: Path) -> None:
     s.close()
 
 
-def test_lru_order_and_bound_survive_a_restart(tmp_path: Path) -> None:
-    """Reopened with a smaller capacity, the store keeps the most recently used pages."""
+def test_lru_order_and_bound_survive_a_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Reopened with a smaller capacity, the store keeps the most recently used pages and
+    says (a warning) how many it deletes."""
     s = dir_store(tmp_path, slots=4)
     for i in range(4):  # one request each: distinct mtimes in write order
         fill(s.host, [0], [i])
         assert s.write([0], [i], [KEYS[i]]).wait()
         os.utime(tmp_path / f"{KEYS[i].hex()}.page", (1_000_000 + i, 1_000_000 + i))
     s.close()
-    s2 = dir_store(tmp_path, slots=2)
+    with caplog.at_level("WARNING", logger="hicache.backends.stores.dir"):
+        s2 = dir_store(tmp_path, slots=2)
     assert [i for i in range(4) if s2.exists([KEYS[i]])] == [2, 3]
+    assert "holds 4 pages, more than its capacity of 2: deleting the 2 least recently used" in caplog.text
     s2.close()
 
 

@@ -182,6 +182,13 @@ class DirStore:
         found.sort()
         for _, key in found:
             self._lru[key] = None
+        over = len(self._lru) - self.capacity
+        if over > 0:
+            # NOTE: a store reopened smaller keeps its most recent pages; the user hears of the rest.
+            log.warning(
+                "L3 directory %s holds %d pages, more than its capacity of %d: deleting the %d least recently used",
+                self.path, len(self._lru), self.capacity, over,
+            )  # fmt: skip
         while len(self._lru) > self.capacity:
             self._evict_one()
 
