@@ -163,6 +163,26 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
             "error: --hicache-ratio 0.0001: less than one L2 page (4096 L1 pages x 0.0001)",
         ),
         (
+            [
+                *l3,
+                "--hicache-storage-backend",
+                "mooncake",
+                "--hicache-storage-backend-extra-config",
+                '{"master_server_address": "nonsense"}',
+            ],
+            'error: --hicache-storage-backend-extra-config \'{"master_server_address": "nonsense"}\': '
+            "mooncake master_server_address must be 'host:port', got 'nonsense'",
+        ),
+        (
+            [*l3, "--hicache-storage-backend", "dir", "--hicache-storage-path", ""],
+            "error: --hicache-storage-path '': storage_path must not be empty (None: an unnamed file)",
+        ),
+        (
+            ["--enable-hicache", "--hicache-prior-recompute-us", "1e-320"],
+            "error: --hicache-prior-recompute-us 9.99989e-321: cost prior recompute_s_per_token must be positive, "
+            "got 0.0",
+        ),
+        (
             ["--enable-hicache", "--disable-hicache-prefetch", "--hicache-layered-restore", "on"],
             "error: --hicache-layered-restore on: a layered restore needs prefetch, which "
             "--disable-hicache-prefetch turns off (a blocking restore has no forward to overlap)",
@@ -286,6 +306,28 @@ def test_flags_that_take_effect_do_not_warn() -> None:
     """A configuration where every flag matters warns about nothing."""
     argv = ["--enable-hicache", "--hicache-storage-ratio", "1", "--hicache-storage-path", "/tmp/x", "--device", "cpu"]
     assert ineffective_flags(*args_of(argv)) == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "warning"),
+    [
+        (["--hicache-storage-direct"], "--hicache-storage-direct has no effect without --hicache-storage-backend file"),
+        (
+            ["--hicache-storage-backend-extra-config", '{"protocol": "tcp"}'],
+            "--hicache-storage-backend-extra-config has no effect without --hicache-storage-backend mooncake",
+        ),
+    ],
+    ids=["direct-with-dir", "extra-config-with-dir"],
+)
+def test_a_flag_warned_ineffective_is_left_out_and_the_run_serves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], warning: str
+) -> None:
+    """A flag the CLI warns has no effect is not passed on: the run serves its requests
+    (the dir store used to refuse it after the warning, exit 2)."""
+    argv = [*SMALL, "--enable-hicache", "--hicache-storage-ratio", "1", "--hicache-storage-backend", "dir"]
+    code, out, err = run_main([*argv, "--hicache-storage-path", str(tmp_path / "kv"), *extra], capsys)
+    assert code == 0 and "2 requests: 2 served, 0 failed" in out, err
+    assert f"warning: {warning}" in err.splitlines()
 
 
 def test_warnings_reach_stderr_and_the_run_still_succeeds(capsys: pytest.CaptureFixture[str]) -> None:

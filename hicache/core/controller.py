@@ -847,12 +847,16 @@ class Controller:
             raise IntegrityError(v.invariant, v.where, v.detail)
 
     def drain(self) -> None:
-        """Block until every transfer in flight (backups and restores) has finished."""
+        """Block until every transfer in flight (backups and restores) has finished. A
+        transfer failed at its L3 deadline whose I/O has returned since is reaped too (its
+        pages free again); one whose I/O still hangs is not waited for (``poll`` reaps it)."""
         self._enter()
-        while self._jobs:
+        while True:
+            self.poll()  # NOTE: also the stragglers: their late I/O may have returned
+            if not self._jobs:
+                return
             for job in list(self._jobs.values()):
                 job.ticket.wait()
-            self.poll()
 
     def close(self) -> None:
         """Release every request (a restore whose copy has not started is withdrawn), withdraw

@@ -16,6 +16,9 @@ def as_tokens(tokens: object) -> tuple[int, ...]:
     if isinstance(tokens, tuple):
         out = tokens
     elif isinstance(tokens, torch.Tensor):
+        if tokens.is_meta or tokens.layout is not torch.strided or tokens.is_nested:
+            where = "on the meta device" if tokens.is_meta else "nested" if tokens.is_nested else str(tokens.layout)
+            raise MisuseError(f"tokens must be a tensor with values here, got one {where}")
         if tokens.dim() != 1:
             raise MisuseError(f"tokens must be 1-D, got a tensor of shape {tuple(tokens.shape)}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:

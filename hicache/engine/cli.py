@@ -445,8 +445,9 @@ def engine_kwargs(args: argparse.Namespace, net: torch.nn.Module, **overrides: A
         attention=args.attention,
         cudnn=args.attention_cudnn,
         enable_hicache=args.enable_hicache,
-        storage_path=args.hicache_storage_path,
-        storage_direct=args.hicache_storage_direct,
+        # NOTE: a flag ineffective_flags warns about is not passed on (it would be refused).
+        storage_path=None if args.hicache_storage_backend == "mooncake" else args.hicache_storage_path,
+        storage_direct=args.hicache_storage_direct and args.hicache_storage_backend == "file",
         policy=args.hicache_policy,
         write_policy=args.hicache_write_policy,
         transfer_backend=args.hicache_transfer_backend,
@@ -463,7 +464,7 @@ def engine_kwargs(args: argparse.Namespace, net: torch.nn.Module, **overrides: A
     # Only when not the default: an Engine without these keywords still runs the default.
     if args.hicache_storage_backend != "file":
         kw["storage_backend"] = args.hicache_storage_backend
-    if args.hicache_storage_backend_extra_config is not None:
+    if args.hicache_storage_backend_extra_config is not None and args.hicache_storage_backend == "mooncake":
         kw["storage_extra"] = args.hicache_storage_backend_extra_config
     kw.update(overrides)
     if not kw["enable_hicache"]:  # no L2/L3 without it (ineffective_flags says so for flags given)
@@ -496,6 +497,12 @@ _SETTING_FLAGS: tuple[tuple[str, str], ...] = (
     ("extra config", "hicache_storage_backend_extra_config"),
     ("storage_backend", "hicache_storage_backend"),
     ("storage backend", "hicache_storage_backend"),
+    ("mooncake ", "hicache_storage_backend_extra_config"),
+    ("storage_path", "hicache_storage_path"),
+    ("direct I/O", "hicache_storage_direct"),
+    ("recompute_s_per_token", "hicache_prior_recompute_us"),
+    ("storage_read_gib_s", "hicache_prior_storage_gib_s"),
+    ("host_gib_s", "hicache_prior_host_gib_s"),
     ("l1_pages", "num_pages"),
     ("num_pages", "num_pages"),
     ("l2_pages", "hicache_ratio"),

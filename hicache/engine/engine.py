@@ -277,7 +277,7 @@ class EngineConfig:
             policy=policy if enable_hicache else "never",
             write_policy=write_policy,
             transfer_backend=transfer_backend,
-            priors=priors or CostPriors(),
+            priors=CostPriors() if priors is None else priors,
             device=_default_device() if device is None else str(device),
             verify_pages=verify_pages,
         )

@@ -159,6 +159,32 @@ def catalogue() -> list[BadInput]:
         BadInput("tokens", "float tensor", lambda: core.match(torch.zeros(4)), MisuseError, "float32", snap),
         BadInput("tokens", "a string", lambda: core.match("hello"), MisuseError, "str", snap),
         BadInput(
+            "tokens",
+            "a tensor on the meta device",
+            lambda: core.match(torch.zeros(3, dtype=torch.long, device="meta")),
+            MisuseError,
+            "meta device",
+            snap,
+        ),
+        BadInput(
+            "tokens",
+            "a sparse tensor",
+            lambda: core.match(torch.tensor([1, 2, 3]).to_sparse()),
+            MisuseError,
+            "sparse",
+            snap,
+        ),
+        BadInput(
+            "tokens",
+            "a nested tensor",
+            lambda: core.match(
+                torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3])], layout=torch.jagged)
+            ),
+            MisuseError,
+            "nested",
+            snap,
+        ),
+        BadInput(
             "pages",
             "insert: page count not matching the aligned tokens",
             lambda: core.insert((1, 2, 3), []),

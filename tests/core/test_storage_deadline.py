@@ -71,3 +71,25 @@ def test_a_hung_read_fails_the_restore_at_its_deadline_and_holds_its_pages_until
     c.release(req)
     c.check_integrity()
     c.close()
+
+
+def test_drain_reaps_a_read_past_its_deadline_once_its_io_returned() -> None:
+    """drain() with a hung read past its deadline returns without waiting for it (the run
+    still reading); once the read has returned, drain() alone frees its pages and the run's
+    transfer ends (poll used to be needed: drain looked only at transfers still running)."""
+    c = _only_in_l3()
+    req = c.admit(TOKENS)
+    pending = c.start_restore(req)
+    assert pending is not None
+    assert eventually(lambda: bool(c.poll()) or pending.finished)
+    c.release(req)
+    c.drain()  # the read still hangs: not waited for
+    assert _reading(c)
+    c.faults.release()
+    assert eventually(lambda: all(j.l3 is not None and j.l3.settled for j in c.controller._stragglers.values()))
+    c.drain()
+    assert not _reading(c)
+    st = c.core.status()
+    assert st.tiers[Tier.L2].in_flight == 0 and st.leases == 0 and sum(st.transfers_in_flight.values()) == 0
+    c.check_integrity()
+    c.close()

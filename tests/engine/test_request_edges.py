@@ -266,3 +266,11 @@ def test_a_hit_on_the_head_of_a_run_pins_only_the_hit(hicache: bool) -> None:
     cold = engine(num_pages=8).generate(a[:9], 7)
     assert out.error is None and out.cached_tokens == 8 and out.tokens == cold.tokens
     e.cache.check_integrity()
+
+
+@pytest.mark.parametrize("priors", [{}, 0, False, "", [], "fast", 1])
+def test_priors_that_are_not_cost_priors_are_refused_even_when_falsy(priors: object) -> None:
+    """``priors`` is a CostPriors or None (the defaults); anything else, an empty dict or 0
+    among them, is a ConfigError (they were taken as the defaults)."""
+    with pytest.raises(ConfigError, match="priors must be a CostPriors"):
+        EngineConfig.create("tiny", device="cpu", enable_hicache=True, l2_pages=8, priors=priors)  # type: ignore[arg-type]
