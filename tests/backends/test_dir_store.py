@@ -213,7 +213,8 @@ def test_second_process_gets_a_clear_error_until_the_first_closes(tmp_path: Path
 
 
 def test_size_is_bounded_with_lru_eviction(tmp_path: Path) -> None:
-    """At most ``slots`` pages; the least recently used (read or written) go first."""
+    """At most ``slots`` pages; the least recently used (read or written) go first, and of
+    pages written together the last (a prompt's tail, reachable only through its head)."""
     s = dir_store(tmp_path, slots=4)
     fill(s.host, list(range(4)), list(range(4)))
     assert s.write(list(range(4)), list(range(4)), KEYS[:4]).wait()
@@ -221,7 +222,7 @@ def test_size_is_bounded_with_lru_eviction(tmp_path: Path) -> None:
     fill(s.host, [4, 5], [4, 5])
     assert s.write([4, 5], [0, 1], KEYS[4:6]).wait()  # slots are virtual in a keyed store
     have = {i for i in range(6) if s.exists([KEYS[i]])}
-    assert have == {0, 3, 4, 5}
+    assert have == {0, 1, 4, 5}
     assert len(page_files(tmp_path)) == 4 and s.status()["evicted"] == 2
     s.close()
 
@@ -405,3 +406,24 @@ def test_a_refusal_for_room_leaves_the_directory_as_it_was(tmp_path: Path, monke
     monkeypatch.setattr(os, "statvfs", real)
     for d in (new, empty, locked, store):
         dir_store(d).close()
+
+
+def test_eviction_takes_a_prompts_pages_from_its_end(tmp_path: Path) -> None:
+    """A prompt's pages are reachable only through the ones before them, so once written or
+    read together the first counts as the most recent: a store out of room evicts the last
+    pages of the oldest prompt, its head still serves a shorter hit; reopened smaller, the
+    store keeps each surviving prompt's head (it kept the tails, which nothing can reach)."""
+    a, b = KEYS[:6], KEYS[6:8]
+    s = dir_store(tmp_path, slots=6, host_pages=8)
+    fill(s.host, list(range(6)), list(range(6)))
+    assert s.write(list(range(6)), list(range(6)), a).wait()
+    assert s.exists(a) == 6
+    assert s.write([0, 1], [0, 1], b).wait()  # full: two of a's pages go, from its end
+    assert s.exists(a) == 4 and s.exists(b) == 2
+    assert s.read([0, 1, 2, 3], [4, 5, 6, 7], a[:4]).wait()
+    for p, i in zip([4, 5, 6, 7], range(4), strict=True):
+        assert torch.equal(s.host.bytes[p], page_bytes(i))
+    s.close()
+    s2 = dir_store(tmp_path, slots=2)  # reopened smaller: the most recent prompt, a[:4], keeps its head
+    assert s2.exists(a) == 2 and s2.exists(b) == 0
+    s2.close()

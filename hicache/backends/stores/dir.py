@@ -17,7 +17,11 @@ trailer) are checked and anything wrong is deleted; on every read, the payload's
 too: a torn or corrupt page is never served (it is deleted and reported CORRUPT). The
 directory is 0700, files 0600, nothing is opened through a symlink (``O_NOFOLLOW``, all
 paths relative to the directory's descriptor). At most ``capacity`` pages: the least
-recently used (by read or write; kept across restarts as file mtimes) are evicted.
+recently used (by read or write; kept across restarts as file mtimes) are evicted. A page is
+reachable only through the pages before it in its prompt (a read stops at the first missing
+key), so after a whole read or write the mover calls :meth:`DirStore.order`: within those
+pages the first counts as the most recent, and eviction takes a prompt's pages from its end,
+as the tree evicts leaves first.
 """
 
 from __future__ import annotations
@@ -155,7 +159,7 @@ class DirStore:
 
     def _scan(self) -> None:
         """Index the pages a previous process left; delete temp files and anything broken."""
-        found: list[tuple[float, bytes]] = []
+        found: list[tuple[int, bytes]] = []
         uid = os.geteuid()
         with os.scandir(self.dirfd) as it:
             for entry in it:
@@ -178,7 +182,7 @@ class DirStore:
                     self._unlink(name)
                     self.counts["dropped_at_open"] += 1
                     continue
-                found.append((st.st_mtime, key))
+                found.append((st.st_mtime_ns, key))
         found.sort()
         for _, key in found:
             self._lru[key] = None
@@ -280,6 +284,24 @@ class DirStore:
                 out[i] = PageStatus.OK
         return out
 
+    def order(self, keys: Sequence[bytes]) -> None:
+        """``keys`` (one prompt's pages, in order, just read or written) become the most
+        recently used, ``keys[0]`` the most recent of them: eviction takes them last-first.
+        In memory only; :meth:`stamp` keeps the order for the next open."""
+        with self._lock:
+            for key in reversed(keys):
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+
+    def stamp(self, keys: Sequence[bytes]) -> None:
+        """The order of :meth:`order` as file mtimes (``keys[0]`` the newest, 1 µs apart),
+        which a later open sorts by. Best effort: a page gone since is skipped."""
+        now = time.time_ns()
+        for i, key in enumerate(keys):
+            t = now - 1000 * i
+            with contextlib.suppress(OSError):
+                os.utime(_name(key), ns=(t, t), dir_fd=self.dirfd, follow_symlinks=False)
+
     def get(self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None) -> list[PageStatus]:
         if keys is None:
             raise MisuseError("the dir store addresses pages by key; give keys")
@@ -354,9 +376,7 @@ class DirStore:
         with self._lock:
             if key in self._lru:
                 self._lru.move_to_end(key)
-        with contextlib.suppress(OSError):  # NOTE: the LRU order survives a restart as mtimes
-            os.utime(name, dir_fd=self.dirfd, follow_symlinks=False)
-        return PageStatus.OK
+        return PageStatus.OK  # NOTE: its mtime (recency at the next open) is set by stamp()
 
     def _drop(self, key: bytes, why: str) -> PageStatus:
         log.warning("hicache L3 dir: page %s is corrupt (%s); deleted, never served", key.hex(), why)

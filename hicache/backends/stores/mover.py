@@ -411,9 +411,9 @@ class StoreMover:
             error = f"{job.op} failed: {type(exc).__name__}: {exc}"
             log.warning("hicache L3 %s", error)
         t1 = time.perf_counter()
+        stamp = getattr(self.store, "stamp", None)
         with self._lock:
             del job.running[i]
-            self._running -= 1
             job.pending -= 1
             job.first_start = min(job.first_start, t0)
             job.last_end = max(job.last_end, t1)
@@ -421,9 +421,30 @@ class StoreMover:
                 job.statuses[a:b] = statuses
                 if error is not None:
                     job.errors.append(error)
-            close_store = self._chunk_ended(job)
+            # NOTE: a store that keeps recency on disk (dir: mtimes, a syscall per page) gets the
+            # whole job's order once its last chunk ended, outside the lock and before the ticket
+            # ends; this chunk counts as running until then (the store stays open).
+            stamp_now = stamp is not None and job.keys is not None and job.pending == 0 and job.outcome is None
+            if not stamp_now:
+                self._running -= 1
+                close_store = self._chunk_ended(job)
+        if stamp_now:
+            assert stamp is not None
+            try:
+                stamp(self._ordered(job))
+            finally:
+                with self._lock:
+                    self._running -= 1
+                    close_store = self._chunk_ended(job)
         if close_store:
             self._close_store()
+
+    @staticmethod
+    def _ordered(job: _Job) -> list[bytes]:
+        """The keys of ``job`` that ended read or stored, in order (a prompt's pages)."""
+        assert job.keys is not None
+        good = STORED if job.op == "write" else frozenset({PageStatus.OK})
+        return [k for k, s in zip(job.keys, job.statuses, strict=True) if s in good]
 
     def _chunk_ended(self, job: _Job) -> bool:
         """Under the lock: finish the job if this was its last chunk, settle a straggling
@@ -442,6 +463,9 @@ class StoreMover:
         good = STORED if job.op == "write" else frozenset({PageStatus.OK})
         bad = [i for i, s in enumerate(st) if s not in good]
         lost = [i for i in bad if st[i] in LOST]
+        order = getattr(self.store, "order", None)
+        if order is not None and job.keys is not None:
+            order(self._ordered(job))  # before the ticket ends: in memory, cheap
         t.statuses = st
         t.lost = bool(lost)
         t.extents = job.extents
