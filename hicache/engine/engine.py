@@ -464,9 +464,14 @@ class Engine:
             self._restored(restore)
         if not self._active:
             self._admission_held = False  # those it waited for left (finished, aborted, failed)
+        deferred: list[_Seq] = []
         while self._waiting and len(self._active) < self.max_batch and not self._admission_held:
             seq = self._waiting.popleft()
+            if self._behind_a_restore(seq):
+                deferred.append(seq)  # the restore in flight brings its head: admitted after it lands
+                continue
             self._guarded(seq, self._admit)
+        self._waiting.extendleft(reversed(deferred))
         ready = next((s for s in self._active.values() if s.state is SeqState.READY), None)
         decoding = [s for s in self._active.values() if s.state is SeqState.DECODING]
         prefill = ready is not None and not (decoding and self._prefills_in_row >= self.prefills_before_decode)
@@ -580,6 +585,27 @@ class Engine:
                 return mine
 
     # -- scheduling --------------------------------------------------------------------------
+
+    def _behind_a_restore(self, seq: _Seq) -> bool:
+        """Whether another request's restore, started or starting in this step, brings at
+        least a page of ``seq``'s usable prompt head into L1. Admitted now, ``seq`` would find
+        that run's copy in flight and recompute (a counted fallback); it waits until the copy
+        lands, then takes the pages as an L1 hit. A restore ends (lands, fails, or goes on in
+        the background when its request is aborted), so the wait does too."""
+        if not self.enabled:
+            return False
+        ps, usable = self.page_size, (len(seq.prompt) - 1) // self.page_size * self.page_size
+        if usable < ps:
+            return False
+        starting = {s.id: plan.tokens for s, plan in self._starting}
+        for other in self._active.values():
+            if other.state is not SeqState.RESTORING:
+                continue
+            tokens = other.restore.plan.tokens if other.restore is not None else starting.get(other.id, 0)
+            n = min(tokens, usable)
+            if n >= ps and other.prompt[:n] == seq.prompt[:n]:
+                return True
+        return False
 
     def _admit(self, seq: _Seq) -> None:
         cache = self.cache

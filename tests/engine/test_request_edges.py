@@ -274,3 +274,62 @@ def test_priors_that_are_not_cost_priors_are_refused_even_when_falsy(priors: obj
     among them, is a ConfigError (they were taken as the defaults)."""
     with pytest.raises(ConfigError, match="priors must be a CostPriors"):
         EngineConfig.create("tiny", device="cpu", enable_hicache=True, l2_pages=8, priors=priors)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tier", [Tier.L2, Tier.L3])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_requests_on_a_prefix_being_restored_wait_for_it_instead_of_recomputing(tier: Tier, policy: str) -> None:
+    """Three requests on one cached prefix arrive together: the first restores it, the other
+    two wait until it lands and take it from L1 (they used to find its copy in flight and
+    recompute, two counted fallbacks); each gets the tokens of a cold engine."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(500) for _ in range(16 * PS)]
+    prompts = [prefix + [rng.randrange(500) for _ in range(3)] for _ in range(3)]
+    cold = Engine("tiny", device="cpu", page_size=PS, num_pages=64)
+    want = [cold.generate(p, max_new_tokens=2).tokens for p in prompts]
+    cold.close()
+    e = engine(write_policy=policy)
+    for _ in range(3):  # computed, then two hits: write_through_selective backs it up
+        e.generate(prompts[0], max_new_tokens=2)
+    drop(e, *((Tier.L1,) if tier is Tier.L2 else (Tier.L1, Tier.L2)))
+    e.cache.faults.add("slow", op="read", delay_s=0.05)  # an L3 read still in flight at the next step
+    ids = [e.submit(p, max_new_tokens=2) for p in prompts]
+    outs = {o.id: o for o in e.run()}
+    got = [outs[i] for i in ids]
+    assert [o.tokens for o in got] == want and all(o.error is None for o in got)
+    assert [(o.restored_from, o.cached_tokens) for o in got] == [(tier.name, 16 * PS)] + [("L1", 16 * PS)] * 2
+    assert e.cache.metrics.fallbacks == 0
+    st = e.cache.status()
+    assert st.requests == 0 and st.core.leases == 0
+    e.cache.check_integrity()
+    e.close()
+
+
+@pytest.mark.parametrize("abort", ["restoring", "waiting"])
+def test_an_abort_on_either_side_of_a_wait_behind_a_restore_leaks_nothing(abort: str) -> None:
+    """The request whose restore another waits behind is aborted (the waiter is then
+    admitted and served), or the waiter is (it leaves the queue): the other is served with
+    a cold engine's tokens and nothing stays pinned."""
+    rng = random.Random(6)
+    prefix = [rng.randrange(500) for _ in range(8 * PS)]
+    prompts = [prefix + [rng.randrange(500) for _ in range(2)] for _ in range(2)]
+    cold = Engine("tiny", device="cpu", page_size=PS, num_pages=64)
+    want = [cold.generate(p, max_new_tokens=3).tokens for p in prompts]
+    cold.close()
+    e = engine()
+    e.generate(prompts[0], max_new_tokens=3)
+    drop(e, Tier.L1, Tier.L2)
+    e.cache.faults.add("slow", op="read", delay_s=0.1)
+    a, b = (e.submit(p, max_new_tokens=3) for p in prompts)
+    e.step()
+    assert e.state_of(a) is SeqState.RESTORING and e.state_of(b) is SeqState.WAITING
+    gone, kept = (a, b) if abort == "restoring" else (b, a)
+    assert e.abort(gone)
+    outs = {o.id: o for o in e.run()}
+    assert outs[gone].error == "aborted" and outs[kept].error is None
+    assert outs[kept].tokens == want[[a, b].index(kept)]
+    e.cache.drain()
+    st = e.cache.status()
+    assert st.requests == 0 and st.core.leases == 0 and st.pending_restores == 0
+    e.cache.check_integrity()
+    e.close()
