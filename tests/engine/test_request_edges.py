@@ -276,18 +276,27 @@ def test_priors_that_are_not_cost_priors_are_refused_even_when_falsy(priors: obj
         EngineConfig.create("tiny", device="cpu", enable_hicache=True, l2_pages=8, priors=priors)  # type: ignore[arg-type]
 
 
+def on_one_prefix(
+    *, seed: int, pages: int, count: int, tail: int, max_new: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """``count`` prompts of one ``pages``-page prefix and ``tail`` tokens of their own, and
+    the tokens a cold engine (no hicache, nothing cached) gives each."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(500) for _ in range(pages * PS)]
+    prompts = [prefix + [rng.randrange(500) for _ in range(tail)] for _ in range(count)]
+    cold = Engine("tiny", device="cpu", page_size=PS, num_pages=64)
+    want = [cold.generate(p, max_new_tokens=max_new).tokens for p in prompts]
+    cold.close()
+    return prompts, want
+
+
 @pytest.mark.parametrize("tier", [Tier.L2, Tier.L3])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_requests_on_a_prefix_being_restored_wait_for_it_instead_of_recomputing(tier: Tier, policy: str) -> None:
     """Three requests on one cached prefix arrive together: the first restores it, the other
     two wait until it lands and take it from L1 (they used to find its copy in flight and
     recompute, two counted fallbacks); each gets the tokens of a cold engine."""
-    rng = random.Random(5)
-    prefix = [rng.randrange(500) for _ in range(16 * PS)]
-    prompts = [prefix + [rng.randrange(500) for _ in range(3)] for _ in range(3)]
-    cold = Engine("tiny", device="cpu", page_size=PS, num_pages=64)
-    want = [cold.generate(p, max_new_tokens=2).tokens for p in prompts]
-    cold.close()
+    prompts, want = on_one_prefix(seed=5, pages=16, count=3, tail=3, max_new=2)
     e = engine(write_policy=policy)
     for _ in range(3):  # computed, then two hits: write_through_selective backs it up
         e.generate(prompts[0], max_new_tokens=2)
@@ -310,12 +319,7 @@ def test_an_abort_on_either_side_of_a_wait_behind_a_restore_leaks_nothing(abort:
     """The request whose restore another waits behind is aborted (the waiter is then
     admitted and served), or the waiter is (it leaves the queue): the other is served with
     a cold engine's tokens and nothing stays pinned."""
-    rng = random.Random(6)
-    prefix = [rng.randrange(500) for _ in range(8 * PS)]
-    prompts = [prefix + [rng.randrange(500) for _ in range(2)] for _ in range(2)]
-    cold = Engine("tiny", device="cpu", page_size=PS, num_pages=64)
-    want = [cold.generate(p, max_new_tokens=3).tokens for p in prompts]
-    cold.close()
+    prompts, want = on_one_prefix(seed=6, pages=8, count=2, tail=2, max_new=3)
     e = engine()
     e.generate(prompts[0], max_new_tokens=3)
     drop(e, Tier.L1, Tier.L2)
