@@ -603,7 +603,8 @@ class Engine:
                 continue
             tokens = other.restore.plan.tokens if other.restore is not None else starting.get(other.id, 0)
             n = min(tokens, usable)
-            if n >= ps and other.prompt[:n] == seq.prompt[:n]:
+            a, b = other.prompt, seq.prompt
+            if n >= ps and a[n - 1] == b[n - 1] and a[:n] == b[:n]:  # the last token first: cheap
                 return True
         return False
 
