@@ -504,6 +504,23 @@ def test_without_the_engine_extra_the_module_says_so_in_one_line(missing: str) -
     assert missing in run.stderr
 
 
+def test_ctrl_c_while_the_models_library_imports_is_one_line_and_130() -> None:
+    """Ctrl-C during the CLI's seconds-long import of transformers prints ``interrupted``
+    and exits 130, as it does later (it was a traceback): an import hook interrupts it."""
+    code = (
+        "import sys, runpy\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'transformers':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.modules.pop('transformers', None); sys.meta_path.insert(0, Interrupt())\n"
+        "sys.argv = ['hicache.engine', '--help']\n"
+        "runpy.run_module('hicache.engine', run_name='__main__')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (130, "", "interrupted\n")
+
+
 def test_without_transformers_building_a_model_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from hicache.engine import build_model
 

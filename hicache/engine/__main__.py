@@ -31,6 +31,9 @@ except ImportError as _missing:
         file=sys.stderr,
     )
     raise SystemExit(2) from None
+except KeyboardInterrupt:  # Ctrl-C during this (seconds-long) import: as later, one line and 130
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 from hicache.engine.cli import (
     ArgParser,
