@@ -195,6 +195,7 @@ def test_layered_restore_serves_l1_hit_logits_and_a_torn_restore_recomputes() ->
     assert again.first_logits is not None and cold.first_logits is not None
     torch.testing.assert_close(again.first_logits, cold.first_logits, rtol=1e-5, atol=1e-5)
     assert again.tokens == cold.tokens
+    e.cache.drain()  # backups still in flight hold leases until they finish
     st = e.cache.status()
     assert st.requests == 0 and st.core.leases == 0 and st.core.tiers[0].private == 0
     e.cache.check_integrity()
@@ -772,6 +773,7 @@ def test_an_exception_escaping_a_prefill_before_its_launch_leaves_the_restores_t
     assert outs[rids[1]].error is None and outs[rids[1]].restore_failed and outs[rids[1]].tokens == l1.tokens
     assert outs[rids[0]].error is None
     e.cache.check_integrity()
+    e.cache.drain()  # backups still in flight hold leases until they finish
     st = e.cache.status()
     assert st.requests == 0 and st.core.leases == 0
 
@@ -807,6 +809,7 @@ def test_a_restore_whose_start_is_refused_recomputes(monkeypatch: pytest.MonkeyP
     mine = next(o for o in outs if o.id == rid)
     assert mine.restore_failed and mine.error is None and mine.tokens == cold.tokens
     e.run()
+    e.cache.drain()  # backups still in flight hold leases until they finish
     st = e.cache.status()
     assert st.requests == 0 and st.core.leases == 0
 
@@ -858,6 +861,7 @@ def test_an_exception_escaping_a_restore_start_leaves_the_others_to_recompute(
     if other is not None:
         assert outs[other].error is None and outs[other].tokens == cold.tokens
     e.cache.check_integrity()
+    e.cache.drain()  # backups still in flight hold leases until they finish
     st = e.cache.status()
     assert st.requests == 0 and st.core.leases == 0
 

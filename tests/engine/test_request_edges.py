@@ -98,6 +98,7 @@ def test_a_cached_page_aligned_prompt_that_fills_the_pool_is_served_again(pages:
     assert [o.cached_tokens for o in runs] == [(pages - 1) * PS] * 4
     restored = [o.restored_from for o in runs[2:]]
     assert restored == (["L2", "L3"] if pages > 1 else ["L1", "L1"])
+    e.cache.drain()  # backups still in flight hold leases until they finish
     st = e.cache.status()
     assert st.requests == 0 and st.core.leases == 0 and st.core.tiers[0].private == 0
     e.cache.check_integrity()
@@ -308,6 +309,7 @@ def test_requests_on_a_prefix_being_restored_wait_for_it_instead_of_recomputing(
     assert [o.tokens for o in got] == want and all(o.error is None for o in got)
     assert [(o.restored_from, o.cached_tokens) for o in got] == [(tier.name, 16 * PS)] + [("L1", 16 * PS)] * 2
     assert e.cache.metrics.fallbacks == 0
+    e.cache.drain()  # backups still in flight hold leases until they finish
     st = e.cache.status()
     assert st.requests == 0 and st.core.leases == 0
     e.cache.check_integrity()
