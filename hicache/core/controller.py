@@ -201,6 +201,9 @@ class Controller:
         self._deferred: dict[tuple[int, Direction], Node] = {}  # backups waiting for a transfer above them
         self._lost: dict[int, Node] = {}  # runs a shared store lost, forgotten once nothing reads them
         self._stragglers: dict[int, _Job] = {}  # L3 I/O past its deadline, still running
+        # Restores finished by drain() or another request's blocking restore(): the next
+        # poll() reports them (an engine waiting for one would otherwise wait forever).
+        self._unreported: list[PendingRestore] = []
         self._ids = itertools.count(1)
         self.request_coverage: Counter[tuple[ReqState, ReqEvent]] = Counter()  # transitions taken
         self._owner = threading.get_ident()
@@ -371,6 +374,13 @@ class Controller:
         self.metrics.recomputed_tokens += aligned - before
         if self.write_policy is WritePolicy.WRITE_THROUGH and result.node.parent is not None:
             self._backup(result.node)
+        elif self.write_policy is WritePolicy.SELECTIVE and set(result.rejected) & set(covered):
+            # NOTE: pages the tree had already were recomputed, not matched: an engine admits
+            # below the last prompt token, so a page-aligned prompt's last page is never a
+            # hit. Reused all the same, they count as one, or that page is never backed up.
+            result.node.hits += 1
+            if result.node.hits >= self.selective_hits:
+                self._backup(result.node)
         return req.cached_len
 
     def release(self, req: Request) -> None:
@@ -496,24 +506,31 @@ class Controller:
             if job is None:
                 raise IntegrityError("ordering", f"request #{req.id}", "a restore in flight has no transfer")
             job.ticket.wait()
-            self.poll()
+            self._collect()
+        self._unreported = [r for r in self._unreported if r is not pending]  # the caller has it
         return pending.outcome is Outcome.DONE
 
     def poll(self) -> list[PendingRestore]:
-        """Advance every transfer in flight; returns restores that finished in this call."""
+        """Advance every transfer in flight; returns the restores that finished since the
+        last poll (in this call, or in a :meth:`drain` or another request's blocking
+        :meth:`restore` in between), each once."""
         self._enter()
-        finished: list[PendingRestore] = []
+        self._collect()
+        finished, self._unreported = self._unreported, []
+        return finished
+
+    def _collect(self) -> None:
+        """Advance every transfer in flight; restores that finish wait for the next poll."""
         for job in list(self._jobs.values()):
             if job.ticket.poll():
                 restore = self._straggle(job) if job.l3 is not None and not job.l3.settled else self._finish(job)
                 if restore is not None and restore.finished:
-                    finished.append(restore)
+                    self._unreported.append(restore)
         for job in list(self._stragglers.values()):
             if job.l3 is not None and job.l3.settled:  # its I/O returned: the pages are free again
                 del self._stragglers[job.transfer.id]
                 self._jobs[job.transfer.id] = job
                 self._finish(job)
-        return finished
 
     def settle(self) -> bool:
         """If every restore in flight is an H2D still copying, block until the first of them
@@ -849,10 +866,11 @@ class Controller:
     def drain(self) -> None:
         """Block until every transfer in flight (backups and restores) has finished. A
         transfer failed at its L3 deadline whose I/O has returned since is reaped too (its
-        pages free again); one whose I/O still hangs is not waited for (``poll`` reaps it)."""
+        pages free again); one whose I/O still hangs is not waited for (``poll`` reaps it).
+        Restores that finish here are reported by the next :meth:`poll`."""
         self._enter()
         while True:
-            self.poll()  # NOTE: also the stragglers: their late I/O may have returned
+            self._collect()  # NOTE: also the stragglers: their late I/O may have returned
             if not self._jobs:
                 return
             for job in list(self._jobs.values()):
@@ -881,6 +899,7 @@ class Controller:
         for job in self._stragglers.values():  # I/O past its deadline at close: we are done with its pages
             self.core.cancel(job.transfer)
         self._stragglers.clear()
+        self._unreported.clear()
         self.closed = True
 
 

@@ -388,3 +388,52 @@ def test_a_request_of_another_instance_is_refused() -> None:
     a.release(req)
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("how", ["drain", "a blocking restore"])
+def test_a_restore_finished_outside_poll_is_reported_by_the_next_poll(how: str) -> None:
+    """A restore that ``drain()`` or another request's blocking ``restore()`` finishes is
+    still handed back by the next ``poll()``, once: an engine waiting for it from poll would
+    otherwise wait forever. The blocking restore's own is not (its caller has it)."""
+    c = make(l1_pages=16, l2_pages=16)
+    a_tokens, b_tokens = list(range(8)), list(range(100, 108))
+    kv_a, kv_b = cached(c, a_tokens), cached(c, b_tokens)
+    evict_all(c, Tier.L1)
+    a = c.admit(a_tokens)
+    pending = c.start_restore(a, c.plan(a))
+    assert pending is not None and not pending.finished
+    b = None
+    if how == "drain":
+        c.drain()
+    else:
+        b = c.admit(b_tokens)
+        assert c.restore(b, c.plan(b))
+    assert pending.outcome is not None  # finished, and not yet reported
+    assert c.poll() == [pending] and c.poll() == []
+    assert torch.equal(c.l1.buffer[:, :, c.prefix_pages(a)], kv_a)
+    if b is not None:
+        assert torch.equal(c.l1.buffer[:, :, c.prefix_pages(b)], kv_b)
+        c.release(b)
+    c.release(a)
+    c.check_integrity()
+    c.close()
+
+
+def test_selective_write_through_counts_a_recomputed_last_page_as_a_hit() -> None:
+    """An engine admits below the last prompt token, so a page-aligned prompt's last page
+    is recomputed each time, never matched: its reuse counts as a hit all the same, and
+    after ``selective_hits`` of them it is backed up with the rest."""
+    c = make(write_policy="write_through_selective", selective_hits=2)
+    tokens = list(range(8))
+    for _ in range(3):
+        req = c.admit(tokens, at_most=len(tokens) - 1)
+        assert req.cached_len in (0, 6)
+        pages = c.allocate(req, 4 - req.cached_len // G.page_size)
+        assert pages is not None
+        c.l1.buffer[:, :, pages] = 1.0
+        c.insert(req, pages)
+        c.release(req)
+        drain(c)
+    assert c.core.match(tokens).lengths == (8, 8, 8)
+    c.check_integrity()
+    c.close()
