@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import time
 import warnings
 from collections import deque
@@ -75,6 +76,14 @@ FORWARD_AFTER_GROUPS = 3
 # times as long (Engine._idle_sleep_s).
 IDLE_SLEEP_S = 50e-6
 IDLE_BACKOFF_STEPS = 5
+
+# A waiting request whose prompt head another request's restore brings into L1 waits for it
+# while the restore has run for less than the predicted recompute of that head, and at least
+# this long: a restore that takes longer (a slow or hung disk) no longer holds it back.
+RESTORE_WAIT_MIN_S = 0.5
+# Requests held back in one step at most: past them, admission waits for the next step (a
+# burst on one prefix costs each step this many prefix comparisons, not the whole queue's).
+DEFERRED_PER_STEP = 64
 
 
 class RequestFailed(HiCacheError):
@@ -465,13 +474,22 @@ class Engine:
         if not self._active:
             self._admission_held = False  # those it waited for left (finished, aborted, failed)
         deferred: list[_Seq] = []
-        while self._waiting and len(self._active) < self.max_batch and not self._admission_held:
-            seq = self._waiting.popleft()
-            if self._behind_a_restore(seq):
-                deferred.append(seq)  # the restore in flight brings its head: admitted after it lands
-                continue
-            self._guarded(seq, self._admit)
-        self._waiting.extendleft(reversed(deferred))
+        try:
+            while (
+                self._waiting
+                and len(self._active) < self.max_batch
+                and not self._admission_held
+                and len(deferred) < DEFERRED_PER_STEP
+            ):
+                seq = self._waiting.popleft()
+                if self._behind_a_restore(seq):
+                    deferred.append(seq)  # the restore in flight brings its head: admitted after it lands
+                    continue
+                self._guarded(seq, self._admit)
+        finally:
+            # NOTE: also when an exception escapes an admission (a bug, an interrupt): the
+            # requests held back wait again, ahead of the one that re-queued itself.
+            self._waiting.extendleft(reversed(deferred))
         ready = next((s for s in self._active.values() if s.state is SeqState.READY), None)
         decoding = [s for s in self._active.values() if s.state is SeqState.DECODING]
         prefill = ready is not None and not (decoding and self._prefills_in_row >= self.prefills_before_decode)
@@ -588,23 +606,34 @@ class Engine:
 
     def _behind_a_restore(self, seq: _Seq) -> bool:
         """Whether another request's restore, started or starting in this step, brings at
-        least a page of ``seq``'s usable prompt head into L1. Admitted now, ``seq`` would find
-        that run's copy in flight and recompute (a counted fallback); it waits until the copy
-        lands, then takes the pages as an L1 hit. A restore ends (lands, fails, or goes on in
-        the background when its request is aborted), so the wait does too."""
+        least a page of ``seq``'s usable prompt head into L1, and has run for less than the
+        predicted recompute of that head (at least ``RESTORE_WAIT_MIN_S``). Admitted now,
+        ``seq`` would find that run's copy in flight and recompute (a counted fallback); it
+        waits until the copy lands, then takes the pages as an L1 hit. Past that time (a
+        slow or hung disk) it is admitted and recomputes, as without a restore in flight."""
         if not self.enabled:
             return False
         ps, usable = self.page_size, (len(seq.prompt) - 1) // self.page_size * self.page_size
         if usable < ps:
             return False
-        starting = {s.id: plan.tokens for s, plan in self._starting}
+        starting = {s.id: plan for s, plan in self._starting}
+        now = time.perf_counter()
         for other in self._active.values():
             if other.state is not SeqState.RESTORING:
                 continue
-            tokens = other.restore.plan.tokens if other.restore is not None else starting.get(other.id, 0)
-            n = min(tokens, usable)
+            plan = other.restore.plan if other.restore is not None else starting.get(other.id)
+            if plan is None:
+                continue
+            n = min(plan.tokens, usable)
             a, b = other.prompt, seq.prompt
-            if n >= ps and a[n - 1] == b[n - 1] and a[:n] == b[:n]:  # the last token first: cheap
+            if n < ps or a[n - 1] != b[n - 1] or a[:n] != b[:n]:  # the last token first: cheap
+                continue
+            if other.restore is None:
+                return True  # starts in this step
+            recompute = plan.predicted_recompute_s * n / plan.tokens if plan.tokens else 0.0
+            if not math.isfinite(recompute):  # a model without samples: the least wait
+                recompute = 0.0
+            if now - other.restore_started < max(RESTORE_WAIT_MIN_S, recompute):
                 return True
         return False
 

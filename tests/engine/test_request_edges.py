@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hicache.engine import Engine
-from hicache.engine.engine import EngineConfig, RequestFailed, SeqState
+from hicache.engine import engine as engine_module
+from hicache.engine.engine import EngineConfig, Output, RequestFailed, SeqState
 from hicache.errors import ConfigError, MisuseError
 from hicache.spec.model import Tier
 
@@ -293,10 +294,13 @@ def on_one_prefix(
 
 @pytest.mark.parametrize("tier", [Tier.L2, Tier.L3])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_requests_on_a_prefix_being_restored_wait_for_it_instead_of_recomputing(tier: Tier, policy: str) -> None:
+def test_requests_on_a_prefix_being_restored_wait_for_it_instead_of_recomputing(
+    tier: Tier, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three requests on one cached prefix arrive together: the first restores it, the other
     two wait until it lands and take it from L1 (they used to find its copy in flight and
     recompute, two counted fallbacks); each gets the tokens of a cold engine."""
+    monkeypatch.setattr(engine_module, "RESTORE_WAIT_MIN_S", 3600.0)  # however slow this machine
     prompts, want = on_one_prefix(seed=5, pages=16, count=3, tail=3, max_new=2)
     e = engine(write_policy=policy)
     for _ in range(3):  # computed, then two hits: write_through_selective backs it up
@@ -317,10 +321,13 @@ def test_requests_on_a_prefix_being_restored_wait_for_it_instead_of_recomputing(
 
 
 @pytest.mark.parametrize("abort", ["restoring", "waiting"])
-def test_an_abort_on_either_side_of_a_wait_behind_a_restore_leaks_nothing(abort: str) -> None:
+def test_an_abort_on_either_side_of_a_wait_behind_a_restore_leaks_nothing(
+    abort: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The request whose restore another waits behind is aborted (the waiter is then
     admitted and served), or the waiter is (it leaves the queue): the other is served with
     a cold engine's tokens and nothing stays pinned."""
+    monkeypatch.setattr(engine_module, "RESTORE_WAIT_MIN_S", 3600.0)
     prompts, want = on_one_prefix(seed=6, pages=8, count=2, tail=2, max_new=3)
     e = engine()
     e.generate(prompts[0], max_new_tokens=3)
@@ -338,4 +345,113 @@ def test_an_abort_on_either_side_of_a_wait_behind_a_restore_leaks_nothing(abort:
     st = e.cache.status()
     assert st.requests == 0 and st.core.leases == 0 and st.pending_restores == 0
     e.cache.check_integrity()
+    e.close()
+
+
+def test_a_wait_behind_a_restore_ends_once_the_restore_outlasts_a_recompute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore that has run longer than a recompute of the head it brings (a hung disk
+    without a deadline) holds back the requests on that head no longer: they are admitted
+    and served with a cold engine's tokens while it still hangs; nothing leaks after."""
+    prompts, want = on_one_prefix(seed=7, pages=8, count=2, tail=2, max_new=2)
+    e = engine(storage_deadline_s=None)
+    e.generate(prompts[0], max_new_tokens=2)
+    drop(e, Tier.L1, Tier.L2)
+    e.cache.faults.add("hang", op="read")
+    a, b = (e.submit(p, max_new_tokens=2) for p in prompts)
+    monkeypatch.setattr(engine_module, "RESTORE_WAIT_MIN_S", 3600.0)
+    for _ in range(3):
+        e.step()
+    assert e.state_of(a) is SeqState.RESTORING and e.state_of(b) is SeqState.WAITING
+    monkeypatch.setattr(engine_module, "RESTORE_WAIT_MIN_S", 0.0)
+    e._active[a].restore_started -= 3600.0  # an hour: longer than any recompute of 8 pages
+    outs: dict[int, Output] = {}
+    for _ in range(100):  # bounded: b is served by recomputing
+        outs.update((o.id, o) for o in e.step())
+        if b in outs:
+            break
+    assert outs[b].error is None and outs[b].tokens == want[1]
+    assert e.state_of(a) is SeqState.RESTORING  # still hung
+    assert e.abort(a)
+    e.cache.faults.release()
+    e.cache.drain()
+    st = e.cache.status()
+    assert st.requests == 0 and st.core.leases == 0 and st.pending_restores == 0
+    e.cache.check_integrity()
+    e.close()
+
+
+def test_requests_held_back_stay_queued_when_an_admission_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Something that is not a request's failure (a bug, an interrupt) escapes the admission
+    of a request queued behind one held back for a restore: both wait again, in order, and
+    every request is served with a cold engine's tokens (the held-back one was dropped)."""
+    monkeypatch.setattr(engine_module, "RESTORE_WAIT_MIN_S", 3600.0)
+    prompts, want = on_one_prefix(seed=8, pages=8, count=2, tail=2, max_new=2)
+    (other,), (other_want,) = on_one_prefix(seed=9, pages=1, count=1, tail=3, max_new=2)
+    e = engine()
+    e.generate(prompts[0], max_new_tokens=2)
+    drop(e, Tier.L1)
+    real, raised = e.cache.admit, list[int]()
+
+    def admit(tokens: list[int], **kw: object) -> object:
+        if list(tokens) == other and not raised:
+            raised.append(1)
+            raise RuntimeError("not a request's failure")
+        return real(tokens, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(e.cache, "admit", admit)
+    a, b, c = (e.submit(p, max_new_tokens=2) for p in [*prompts, other])
+    with pytest.raises(RuntimeError, match="not a request's failure"):
+        e.step()
+    assert raised and e.state_of(b) is SeqState.WAITING and e.state_of(c) is SeqState.WAITING
+    assert [s.id for s in e._waiting] == [b, c]
+    outs = {o.id: o for o in e.run()}
+    assert [outs[i].tokens for i in (a, b, c)] == [*want, other_want]
+    assert all(outs[i].error is None for i in (a, b, c))
+    e.cache.drain()
+    st = e.cache.status()
+    assert st.requests == 0 and st.core.leases == 0
+    e.cache.check_integrity()
+    e.close()
+
+
+def test_admission_holds_back_a_bounded_number_of_requests_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``DEFERRED_PER_STEP`` requests held back behind restores in one step, admission
+    waits for the next step (a burst on one prefix costs each step that many comparisons,
+    not the whole queue's); every request is then served, without a fallback."""
+    monkeypatch.setattr(engine_module, "RESTORE_WAIT_MIN_S", 3600.0)
+    monkeypatch.setattr(engine_module, "DEFERRED_PER_STEP", 1)
+    prompts, want = on_one_prefix(seed=10, pages=8, count=3, tail=2, max_new=2)
+    (other,), (other_want,) = on_one_prefix(seed=11, pages=1, count=1, tail=3, max_new=2)
+    e = engine()
+    e.generate(prompts[0], max_new_tokens=2)
+    drop(e, Tier.L1)
+    ids = [e.submit(p, max_new_tokens=2) for p in [*prompts, other]]
+    e.step()
+    assert [e.state_of(i) for i in ids] == [SeqState.RESTORING] + [SeqState.WAITING] * 3
+    outs = {o.id: o for o in e.run()}
+    assert [outs[i].tokens for i in ids] == [*want, other_want]
+    assert e.cache.metrics.fallbacks == 0
+    e.close()
+
+
+def test_a_drain_during_a_restore_leaves_the_engine_able_to_finish_it() -> None:
+    """``cache.drain()`` called between steps finishes a restore the engine waits for; the
+    next step's poll still hands it over, so neither it nor a request waiting behind it
+    hangs."""
+    prompts, want = on_one_prefix(seed=12, pages=8, count=2, tail=2, max_new=2)
+    e = engine()
+    e.generate(prompts[0], max_new_tokens=2)
+    drop(e, Tier.L1, Tier.L2)
+    e.cache.faults.add("slow", op="read", delay_s=0.05)
+    a, b = (e.submit(p, max_new_tokens=2) for p in prompts)
+    e.step()
+    assert e.state_of(a) is SeqState.RESTORING
+    e.cache.drain()
+    outs: dict[int, Output] = {}
+    for _ in range(100):  # bounded: both finish in a few steps
+        outs.update((o.id, o) for o in e.step())
+        if len(outs) == 2:
+            break
+    assert sorted(outs) == [a, b]
+    assert [outs[i].tokens for i in (a, b)] == want
     e.close()
