@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import hicache.backends.stores.dir as dirmod
 from hicache.backends.pools import HostPool
 from hicache.backends.stores import PageStatus, open_storage
 from hicache.backends.stores.dir import TRAILER_BYTES
+from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError
 from tests.backends.store_helpers import KEYS, G, dir_store, fill, page_bytes
 
@@ -427,3 +429,32 @@ def test_eviction_takes_a_prompts_pages_from_its_end(tmp_path: Path) -> None:
     s2 = dir_store(tmp_path, slots=2)  # reopened smaller: the most recent prompt, a[:4], keeps its head
     assert s2.exists(a) == 2 and s2.exists(b) == 0
     s2.close()
+
+
+def test_a_refused_opener_leaves_a_store_another_made_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two openers of one new directory: the second lists it (empty), the first creates the
+    store, writes a page and closes, then the second takes the lock and is refused (another
+    layout). Its cleanup removes only what it made: the first's FORMAT and lock file stay,
+    and the store reopens with its page."""
+    path = tmp_path / "s"
+    real = dirmod._check_adoptable
+
+    def listed_before_the_other_opener(dirfd: int, where: Path) -> set[str]:
+        names = real(dirfd, where)
+        monkeypatch.setattr(dirmod, "_check_adoptable", real)
+        first = dir_store(path, slots=8)
+        fill(first.host, [0], [0])
+        assert first.write([0], [0], KEYS[:1]).wait()
+        first.close()
+        return names
+
+    monkeypatch.setattr(dirmod, "_check_adoptable", listed_before_the_other_opener)
+    other = KVGeometry(2, 2, 64, 8, torch.bfloat16)
+    with pytest.raises(ConfigError, match="another layout"):
+        dirmod.DirStore(path, HostPool(other, 4), capacity=8)
+    assert {"FORMAT", "LOCK"} <= {p.name for p in path.iterdir()} and len(page_files(path)) == 1
+    again = dir_store(path, slots=8)
+    assert again.read([0], [1], KEYS[:1]).wait() and torch.equal(again.host.bytes[1], page_bytes(0))
+    again.close()

@@ -108,6 +108,7 @@ class DirStore:
         self._tmp = itertools.count()
         self.counts = {"evicted": 0, "dropped_corrupt": 0, "dropped_at_open": 0, "temp_removed_at_open": 0}
         made = not self.path.exists()
+        self._made_format = False  # this opener wrote FORMAT (so the store is new, and its own)
         self.dirfd = _open_dir(self.path)
         self.lockfd = -1
         before: set[str] = set()
@@ -135,6 +136,7 @@ class DirStore:
             fd = os.open("FORMAT", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
         except FileNotFoundError:
             _check_adoptable(self.dirfd, self.path)  # again, under the lock
+            self._made_format = True
             fd = os.open("FORMAT.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=self.dirfd)  # fmt: skip
             try:
@@ -209,8 +211,16 @@ class DirStore:
 
     def _undo_new(self, made: bool, before: set[str]) -> None:
         """Remove what opening a new store made (its FORMAT, its lock file, the directory
-        itself), best effort, while its lock is still held."""
-        for name in ("FORMAT.tmp", "FORMAT", *(() if "LOCK" in before else ("LOCK",))):
+        itself), best effort, while its lock is still held. Only what this opener made: the
+        listing ``before`` was taken before the lock, so another process may have created
+        the store since (its FORMAT and lock file stay)."""
+        try:
+            os.stat("FORMAT", dir_fd=self.dirfd, follow_symlinks=False)
+            theirs = not self._made_format
+        except OSError:
+            theirs = False
+        names = ("FORMAT.tmp", "FORMAT") if self._made_format else ()
+        for name in (*names, *(() if "LOCK" in before or theirs else ("LOCK",))):
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=self.dirfd)
         if made:
