@@ -2,7 +2,8 @@
 
 - Bad configuration and caller misuse raise :class:`ConfigError` / :class:`MisuseError`
   (both ``ValueError``) *before* anything changes.
-- Running out of pages is an expected result (``None`` / empty), never an exception.
+- Running out of pages is an expected result (``None`` / empty), never an exception; asking
+  for more than a tier could ever give is misuse.
 - A broken invariant is :class:`IntegrityError`: that is a bug in hicache.
 """
 

@@ -273,7 +273,8 @@ class HiCache:
         return self.controller.settle()
 
     def allocate(self, req: Request, n: int) -> list[DevicePage] | None:
-        """``n`` private L1 pages, or None without room (:meth:`Controller.allocate`)."""
+        """``n`` private L1 pages, or None without room now; MisuseError if they could never
+        fit (:meth:`Controller.allocate`)."""
         return self.controller.allocate(req, n)
 
     def insert(self, req: Request, pages: Sequence[DevicePage]) -> int:

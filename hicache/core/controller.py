@@ -315,11 +315,17 @@ class Controller:
 
     def allocate(self, req: Request, n: int) -> list[DevicePage] | None:
         """``n`` private L1 pages for ``req`` (evicting unpinned L1 copies as needed), or
-        None, changing nothing, if no room can be made."""
+        None, changing nothing, if no room can be made now. More pages than L1 could ever
+        give it (with those it holds already) is a MisuseError: waiting would never help."""
         self._enter()
         self._live(req)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise MisuseError(f"allocate: page count must be an int >= 0, got {n!r}")
+        held, capacity = len(req.pages) + len(req.private), self.core.l1.capacity
+        if n + held > capacity:
+            raise MisuseError(
+                f"allocate: {n} pages for request #{req.id}, which holds {held}, can never fit in L1's {capacity}"
+            )
         self._next(req, ReqEvent.ALLOCATE, "allocate")
         if not self._make_room(Tier.L1, n):
             return None

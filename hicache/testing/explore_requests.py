@@ -4,7 +4,8 @@ The controller runs over the core and tag movers (:mod:`hicache.testing.tag_move
 copies wait until the explorer finishes them. Operations, each only when enabled: per
 sequence i, ``admit:i`` (no live request for i), then by the request's state ``restore:i``
 (``start_restore``, layered), ``allocate:i`` (exactly the pages its uncached part needs; one
-decode page once running), ``insert:i`` (write what a prefill computes into its private
+decode page once running; not while they could never fit beside those it holds: allocate
+refuses those), ``insert:i`` (write what a prefill computes into its private
 pages, then insert), ``release:i``; per queued copy k, ``complete:k`` / ``fail:k`` (then
 ``poll``), ``begin:k`` (a restore's copy starts: it can no longer be withdrawn) and, with L3
 faults on, ``lose:k`` (an L3 read finds its pages gone), ``expire:k`` / ``settle:k`` (an L3
@@ -117,7 +118,8 @@ class RequestSystem:
             if req.state is ReqState.ADMITTED:
                 out.append(f"restore:{i}")
             missing = self._missing(i)
-            if missing and request_step(req.state, ReqEvent.ALLOCATE) is not None:
+            fits = missing + len(req.pages) + len(req.private) <= self.core.l1.capacity
+            if missing and fits and request_step(req.state, ReqEvent.ALLOCATE) is not None:
                 out.append(f"allocate:{i}")
             if not missing and req.state in (ReqState.ADMITTED, ReqState.READY, ReqState.PREFILLING):
                 out.append(f"insert:{i}")

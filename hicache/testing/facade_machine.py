@@ -342,6 +342,10 @@ class FacadeMachine(RuleBasedStateMachine):
             if not self.movers:
                 time.sleep(0.002)
 
+    def _never_fits(self, req: Request, n: int) -> bool:
+        """More L1 pages than the pool holds beside the request's own: allocate refuses."""
+        return n + len(req.pages) + len(req.private) > self.c.controller.core.l1.capacity
+
     def _refused(self, req: Request, call: Callable[[], object]) -> None:
         """A call the request model refuses raises MisuseError and changes nothing."""
         before = (req.state, req.cached_len, list(req.pages), list(req.private), self.c.status().to_dict())
@@ -533,6 +537,9 @@ class FacadeMachine(RuleBasedStateMachine):
         if req.state in (ReqState.LOADING_L3, ReqState.RELEASED):
             self._refused(req, lambda: self.c.allocate(req, 1))
             return
+        if self._never_fits(req, extra):
+            self._refused(req, lambda: self.c.allocate(req, extra))
+            return
         pages = self.c.allocate(req, extra)
         _note(f"allocate #{req.id} {extra}: {pages}")
         if pages:
@@ -549,6 +556,9 @@ class FacadeMachine(RuleBasedStateMachine):
         n = -(-len(req.tokens) // ps) - req.cached_len // ps
         if n == 0:  # all cached, no tail: nothing to allocate
             self.c.insert(req, [])
+            return
+        if self._never_fits(req, n):
+            self._refused(req, lambda: self.c.allocate(req, n))
             return
         pages = self.c.allocate(req, n)
         if pages is None:

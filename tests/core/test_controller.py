@@ -437,3 +437,27 @@ def test_selective_write_through_counts_a_recomputed_last_page_as_a_hit() -> Non
     assert c.core.match(tokens).lengths == (8, 8, 8)
     c.check_integrity()
     c.close()
+
+
+def test_allocating_pages_that_could_never_fit_is_refused_and_changes_nothing() -> None:
+    """More L1 pages than the pool holds beside those the request holds (its pinned prefix,
+    its private pages) is a MisuseError, nothing changed: None would mean "not now", and a
+    caller would wait forever. Exactly the pages left is not refused."""
+    c = make(l1_pages=8)
+    tokens = list(range(6))
+    cached(c, tokens)  # 3 pages in the tree, pinned by a request's admit
+    req = c.admit(tokens)
+    assert len(c.prefix_pages(req)) == 3
+    before = c.status().to_dict()
+    with pytest.raises(
+        MisuseError, match=r"^allocate: 6 pages for request #\d+, which holds 3, can never fit in L1's 8$"
+    ):
+        c.allocate(req, 6)
+    assert c.status().to_dict() == before and req.private == []
+    pages = c.allocate(req, 5)
+    assert pages is not None and len(pages) == 5
+    with pytest.raises(MisuseError, match="which holds 8, can never fit"):
+        c.allocate(req, 1)
+    c.release(req)
+    c.check_integrity()
+    c.close()
