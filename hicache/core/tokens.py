@@ -10,7 +10,8 @@ from hicache.errors import MisuseError
 
 
 def as_tokens(tokens: object) -> tuple[int, ...]:
-    """A non-empty 1-D sequence of ints (tuple, list, integer tensor or array) as a tuple.
+    """A non-empty 1-D sequence of ints in int64 range (tuple, list, integer tensor or
+    array) as a tuple.
     Bools in a sequence count as the ints 0 and 1, as everywhere in Python (a per-token type
     check would cost a pass over every prompt); a bool tensor is refused."""
     if isinstance(tokens, tuple):
@@ -43,4 +44,12 @@ def as_tokens(tokens: object) -> tuple[int, ...]:
     if not ok:
         bad = next(x for x in out if type(x) is not int and type(x) is not bool)
         raise MisuseError(f"tokens must be ints, got {bad!r} ({type(bad).__name__})")
+    # NOTE: the range every store can name (keys hash tokens as int64), whichever is used.
+    low, high = min(out), max(out)
+    if low < _INT64_MIN or high > _INT64_MAX:
+        bad = low if low < _INT64_MIN else high
+        raise MisuseError(f"tokens must be ints in int64 range, got {bad}")
     return out
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

@@ -158,6 +158,8 @@ def catalogue() -> list[BadInput]:
         ),
         BadInput("tokens", "float tensor", lambda: core.match(torch.zeros(4)), MisuseError, "float32", snap),
         BadInput("tokens", "a string", lambda: core.match("hello"), MisuseError, "str", snap),
+        BadInput("tokens", "an int past int64", lambda: core.match([1, 2**63]), MisuseError, "int64 range", snap),
+        BadInput("tokens", "an int below int64", lambda: core.match([-(2**63) - 1, 2]), MisuseError, "int64", snap),
         BadInput(
             "tokens",
             "a tensor on the meta device",
@@ -336,6 +338,14 @@ def catalogue() -> list[BadInput]:
             state,
         ),
         BadInput("requests", "allocate -1 pages", lambda: cache.allocate(live, -1), MisuseError, "-1", state),
+        BadInput(
+            "requests",
+            "allocate more pages than L1 holds",
+            lambda: cache.allocate(live, cache.config.l1_pages + 1),
+            MisuseError,
+            "can never fit",
+            state,
+        ),
         BadInput(
             "requests",
             "start_restore with a tier name as plan",
