@@ -13,9 +13,12 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
   fi
 fi
+quiet_pip() {  # pip's status, without its warnings about package locations it skips
+  .venv/bin/pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+}
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   # CPU build from local disk where it is offered; any torch >= 2.4 works.
-  .venv/bin/pip install -q "torch==2.13.0" || .venv/bin/pip install -q "torch>=2.4"
+  quiet_pip "torch==2.13.0" || quiet_pip "torch>=2.4"
 fi
 EXTRAS=dev
 if .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
