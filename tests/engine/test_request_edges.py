@@ -49,6 +49,16 @@ def drop(e: Engine, *tiers: Tier) -> None:
         e.cache.core.evict(t, 10**6)
 
 
+def closed_clean(e: Engine) -> None:
+    """Once the backups in flight finish (they hold leases until then), no request, lease or
+    restore is left and the invariants hold; then close."""
+    e.cache.drain()
+    st = e.cache.status()
+    assert st.requests == 0 and st.core.leases == 0 and st.pending_restores == 0
+    e.cache.check_integrity()
+    e.close()
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("length", [1, PS - 1, PS, PS + 1, 3 * PS + 2])
 def test_prompts_around_a_page_are_served_and_restored_bit_exactly(length: int, policy: str) -> None:
@@ -313,11 +323,7 @@ def test_requests_on_a_prefix_being_restored_wait_for_it_instead_of_recomputing(
     assert [o.tokens for o in got] == want and all(o.error is None for o in got)
     assert [(o.restored_from, o.cached_tokens) for o in got] == [(tier.name, 16 * PS)] + [("L1", 16 * PS)] * 2
     assert e.cache.metrics.fallbacks == 0
-    e.cache.drain()  # backups still in flight hold leases until they finish
-    st = e.cache.status()
-    assert st.requests == 0 and st.core.leases == 0
-    e.cache.check_integrity()
-    e.close()
+    closed_clean(e)
 
 
 @pytest.mark.parametrize("abort", ["restoring", "waiting"])
@@ -341,11 +347,7 @@ def test_an_abort_on_either_side_of_a_wait_behind_a_restore_leaks_nothing(
     outs = {o.id: o for o in e.run()}
     assert outs[gone].error == "aborted" and outs[kept].error is None
     assert outs[kept].tokens == want[[a, b].index(kept)]
-    e.cache.drain()
-    st = e.cache.status()
-    assert st.requests == 0 and st.core.leases == 0 and st.pending_restores == 0
-    e.cache.check_integrity()
-    e.close()
+    closed_clean(e)
 
 
 def test_a_wait_behind_a_restore_ends_once_the_restore_outlasts_a_recompute(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -373,11 +375,7 @@ def test_a_wait_behind_a_restore_ends_once_the_restore_outlasts_a_recompute(monk
     assert e.state_of(a) is SeqState.RESTORING  # still hung
     assert e.abort(a)
     e.cache.faults.release()
-    e.cache.drain()
-    st = e.cache.status()
-    assert st.requests == 0 and st.core.leases == 0 and st.pending_restores == 0
-    e.cache.check_integrity()
-    e.close()
+    closed_clean(e)
 
 
 def test_requests_held_back_stay_queued_when_an_admission_raises(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -407,11 +405,7 @@ def test_requests_held_back_stay_queued_when_an_admission_raises(monkeypatch: py
     outs = {o.id: o for o in e.run()}
     assert [outs[i].tokens for i in (a, b, c)] == [*want, other_want]
     assert all(outs[i].error is None for i in (a, b, c))
-    e.cache.drain()
-    st = e.cache.status()
-    assert st.requests == 0 and st.core.leases == 0
-    e.cache.check_integrity()
-    e.close()
+    closed_clean(e)
 
 
 def test_admission_holds_back_a_bounded_number_of_requests_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
