@@ -594,11 +594,15 @@ class Controller:
             elif self.storage is None:
                 raise IntegrityError("structure", repr(node), f"{direction.name} without storage")
             else:
-                keys = self._keys(transfer) if self.storage.keyed else None
-                if direction is Direction.H2S:
-                    l3 = self.storage.write(transfer.src, transfer.dst, keys)
+                if not self.storage.keyed:
+                    io = self.storage.write if direction is Direction.H2S else self.storage.read
+                    l3 = io(transfer.src, transfer.dst)
                 else:
-                    l3 = self.storage.read(transfer.src, transfer.dst, keys)
+                    keys, above = self._keys(transfer), self._above(transfer)
+                    if direction is Direction.H2S:
+                        l3 = self.storage.write(transfer.src, transfer.dst, keys, above=above)
+                    else:
+                        l3 = self.storage.read(transfer.src, transfer.dst, keys, above=above)
                 ticket = l3
         except HiCacheError:
             core.fail(transfer)
@@ -620,6 +624,17 @@ class Controller:
         """The content keys of a transfer's pages (its runs', in order)."""
         assert self.key_seed is not None  # checked at construction for keyed stores
         return [k for n in transfer.nodes for k in self.core.page_keys(n, self.key_seed)]
+
+    def _above(self, transfer: Transfer) -> list[bytes]:
+        """The content keys of the pages before a transfer's on its path (a store that
+        evicts by recency keeps a prompt's head at least as recent as its tail)."""
+        assert self.key_seed is not None
+        path: list[Node] = []
+        node = transfer.nodes[0].parent
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        return [k for n in reversed(path) for k in self.core.page_keys(n, self.key_seed)]
 
     def _prefix_after(self, req: Request, transfer: Transfer) -> list[DevicePage]:
         """The L1 pages ``req``'s prefix will have once ``transfer`` (an H2D ending at its

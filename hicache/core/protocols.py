@@ -96,12 +96,28 @@ class StorageMover(Protocol):
         ...
 
     def write(
-        self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None = None
-    ) -> StorageTicketLike: ...
+        self,
+        host_pages: Sequence[int],
+        slots: Sequence[int],
+        keys: Sequence[bytes] | None = None,
+        *,
+        above: Sequence[bytes] = (),
+    ) -> StorageTicketLike:
+        """H2S. ``above``: the keys of the prompt's pages before these (a keyed store that
+        evicts by recency ranks them as used after these: a page is reachable only through
+        the ones before it)."""
+        ...
 
     def read(
-        self, slots: Sequence[int], host_pages: Sequence[int], keys: Sequence[bytes] | None = None
-    ) -> StorageTicketLike: ...
+        self,
+        slots: Sequence[int],
+        host_pages: Sequence[int],
+        keys: Sequence[bytes] | None = None,
+        *,
+        above: Sequence[bytes] = (),
+    ) -> StorageTicketLike:
+        """S2H; ``above`` as for :meth:`write`."""
+        ...
 
     def exists(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the store holds (bounded in pages and time; 0 on error)."""

@@ -165,13 +165,19 @@ class ScheduledMover:
         self.queue: list[ScheduledTicket] = []
 
     def _submit(
-        self, name: str, a: Sequence[int], b: Sequence[int], keys: Sequence[bytes] | None = None
+        self,
+        name: str,
+        a: Sequence[int],
+        b: Sequence[int],
+        keys: Sequence[bytes] | None = None,
+        above: Sequence[bytes] = (),
     ) -> ScheduledTicket:
         self.poison[name](b)  # destinations hold garbage until completion
         ticket = ScheduledTicket(len(a) * G.bytes_per_page)
 
         def run() -> bool:
-            real = getattr(self.real, name)(a, b) if keys is None else getattr(self.real, name)(a, b, keys)
+            call = getattr(self.real, name)
+            real = call(a, b) if keys is None else call(a, b, keys, above=above)
             ok = bool(real.wait())
             ticket.lost = name in ("write", "read") and bool(real.lost)
             return ok
@@ -188,14 +194,24 @@ class ScheduledMover:
         return self._submit("h2d", src, dst)  # CPU: no events to record
 
     def write(
-        self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None = None
+        self,
+        host_pages: Sequence[int],
+        slots: Sequence[int],
+        keys: Sequence[bytes] | None = None,
+        *,
+        above: Sequence[bytes] = (),
     ) -> ScheduledTicket:
-        return self._submit("write", host_pages, slots, keys)
+        return self._submit("write", host_pages, slots, keys, above)
 
     def read(
-        self, slots: Sequence[int], host_pages: Sequence[int], keys: Sequence[bytes] | None = None
+        self,
+        slots: Sequence[int],
+        host_pages: Sequence[int],
+        keys: Sequence[bytes] | None = None,
+        *,
+        above: Sequence[bytes] = (),
     ) -> ScheduledTicket:
-        return self._submit("read", slots, host_pages, keys)
+        return self._submit("read", slots, host_pages, keys, above)
 
     def exists(self, keys: Sequence[bytes]) -> int:
         return int(self.real.exists(keys))

@@ -163,10 +163,24 @@ class TagStorage:
     def available(self) -> bool:
         return True
 
-    def write(self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None = None) -> TagTicket:
+    def write(
+        self,
+        host_pages: Sequence[int],
+        slots: Sequence[int],
+        keys: Sequence[bytes] | None = None,
+        *,
+        above: Sequence[bytes] = (),
+    ) -> TagTicket:
         return self.fabric.issue(Direction.H2S, host_pages, slots)
 
-    def read(self, slots: Sequence[int], host_pages: Sequence[int], keys: Sequence[bytes] | None = None) -> TagTicket:
+    def read(
+        self,
+        slots: Sequence[int],
+        host_pages: Sequence[int],
+        keys: Sequence[bytes] | None = None,
+        *,
+        above: Sequence[bytes] = (),
+    ) -> TagTicket:
         return self.fabric.issue(Direction.S2H, slots, host_pages)
 
     def exists(self, keys: Sequence[bytes]) -> int:

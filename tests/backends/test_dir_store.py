@@ -458,3 +458,23 @@ def test_a_refused_opener_leaves_a_store_another_made_meanwhile(
     again = dir_store(path, slots=8)
     assert again.read([0], [1], KEYS[:1]).wait() and torch.equal(again.host.bytes[1], page_bytes(0))
     again.close()
+
+
+def test_a_prompt_stored_in_two_jobs_is_evicted_from_its_end(tmp_path: Path) -> None:
+    """A prompt's head, then its extension in a second job (a longer prompt's write-through,
+    or a restored head and its tail's backup): with the head's keys given as ``above``, the
+    head stays the most recent, so eviction and a smaller reopen keep the pages reachable
+    from the first (without it, the extension's job made the tail newer than the head)."""
+    path = tmp_path / "s"
+    s = dir_store(path, slots=8, host_pages=8)
+    fill(s.host, list(range(8)), list(range(8)))
+    assert s.write([0, 1, 2, 3], [0, 1, 2, 3], KEYS[:4]).wait()
+    assert s.write([4, 5, 6, 7], [4, 5, 6, 7], KEYS[4:8], above=KEYS[:4]).wait()
+    assert s.write([0, 1], [0, 1], KEYS[40:42]).wait()  # two unrelated pages: two evictions
+    assert s.exists(KEYS[:8]) == 6
+    s.close()
+    again = dir_store(path, slots=4)  # reopened smaller: keeps the most recent by mtime
+    assert again.exists(KEYS[:8]) == 2 and again.exists(KEYS[40:42]) == 2
+    assert again.read([0, 1], [2, 3], KEYS[:2]).wait()
+    assert torch.equal(again.host.bytes[2], page_bytes(0)) and torch.equal(again.host.bytes[3], page_bytes(1))
+    again.close()

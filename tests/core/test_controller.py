@@ -461,3 +461,28 @@ def test_allocating_pages_that_could_never_fit_is_refused_and_changes_nothing() 
     c.release(req)
     c.check_integrity()
     c.close()
+
+
+def test_a_prompt_backed_up_in_two_jobs_keeps_its_head_in_a_smaller_dir_store(tmp_path: Path) -> None:
+    """A prompt's head is written through, then its extension (a longer prompt on it) in a
+    second job: the controller gives the head's keys with the extension, so a dir store
+    reopened with room for half keeps the head (reachable), not the newer tail. Pages come
+    back bit-exact."""
+    path = str(tmp_path / "kv")
+    c = make(l1_pages=16, l2_pages=16, l3_pages=16, storage_backend="dir", storage_path=path, model_id="m")
+    head, whole = list(range(8)), list(range(16))
+    first, kv_head = prefill(c, head)
+    c.release(first)
+    drain(c)
+    req, _ = prefill(c, whole)
+    c.release(req)
+    drain(c)
+    assert c.core.match(whole).lengths == (16, 16, 16)
+    c.close()
+    again = make(l1_pages=16, l2_pages=16, l3_pages=4, storage_backend="dir", storage_path=path, model_id="m")
+    req = again.admit(whole)
+    assert req.match.lengths == (0, 0, 8)  # the head's 4 pages: reachable from the first
+    assert again.restore(req, again.plan(req))
+    assert torch.equal(again.l1.buffer[:, :, again.prefix_pages(req)], kv_head)
+    again.release(req)
+    again.close()

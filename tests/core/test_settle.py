@@ -49,8 +49,15 @@ class _SettleStorage(TagStorage):
         super().__init__(fabric)
         self.calls = calls
 
-    def read(self, slots: Sequence[int], host_pages: Sequence[int], keys: Sequence[bytes] | None = None) -> TagTicket:
-        ticket = super().read(slots, host_pages, keys)
+    def read(
+        self,
+        slots: Sequence[int],
+        host_pages: Sequence[int],
+        keys: Sequence[bytes] | None = None,
+        *,
+        above: Sequence[bytes] = (),
+    ) -> TagTicket:
+        ticket = super().read(slots, host_pages, keys, above=above)
         ticket.__class__ = _Settled
         assert isinstance(ticket, _Settled)
         ticket.calls = self.calls

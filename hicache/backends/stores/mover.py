@@ -43,6 +43,7 @@ class _Job:
     """One request: its pages, chunks and outcome. Mutated under the mover's lock."""
 
     __slots__ = (
+        "above",
         "chunks",
         "deadline",
         "deps",
@@ -71,6 +72,7 @@ class _Job:
         self.hp = hp
         self.sl = sl
         self.keys = keys
+        self.above: list[bytes] = []  # the prompt's keys before ``keys``: ranked as used after them
         self.deadline = deadline
         self.deps: list[DeviceTicket] = []  # device transfers to settle before touching pages
         self.chunks: list[tuple[int, int]] = []
@@ -172,16 +174,31 @@ class StoreMover:
         return self.store.available and not self.closed
 
     def write(
-        self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None = None
+        self,
+        host_pages: Sequence[int],
+        slots: Sequence[int],
+        keys: Sequence[bytes] | None = None,
+        *,
+        above: Sequence[bytes] = (),
     ) -> StoreTicket:
         """H2S: store L2 pages (asynchronous). Pages the store already has are not written
-        again (their status is EXISTS, and the ticket succeeds)."""
-        return self._submit("write", host_pages, slots, keys)
+        again (their status is EXISTS, and the ticket succeeds). ``above``: the keys of the
+        prompt's pages before these; a store that keeps recency (dir) ranks them, then
+        these, as the most recently used once the job ends, so eviction takes the prompt
+        from its end even when its pages arrived in several jobs."""
+        return self._submit("write", host_pages, slots, keys, above)
 
-    def read(self, slots: Sequence[int], host_pages: Sequence[int], keys: Sequence[bytes] | None = None) -> StoreTicket:
+    def read(
+        self,
+        slots: Sequence[int],
+        host_pages: Sequence[int],
+        keys: Sequence[bytes] | None = None,
+        *,
+        above: Sequence[bytes] = (),
+    ) -> StoreTicket:
         """S2H: load pages into L2 (asynchronous). A page the store no longer has fails the
-        ticket with ``lost`` set."""
-        return self._submit("read", host_pages, slots, keys)
+        ticket with ``lost`` set. ``above`` as for :meth:`write`."""
+        return self._submit("read", host_pages, slots, keys, above)
 
     def exists(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the store holds: one batched call of at most
@@ -256,7 +273,12 @@ class StoreMover:
     # -- submission (the caller's thread) ------------------------------------------------------
 
     def _submit(
-        self, op: Op, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None
+        self,
+        op: Op,
+        host_pages: Sequence[int],
+        slots: Sequence[int],
+        keys: Sequence[bytes] | None,
+        above: Sequence[bytes] = (),
     ) -> StoreTicket:
         t0 = time.perf_counter()
         if self.closed:
@@ -269,6 +291,8 @@ class StoreMover:
         check_pages("L3", slots, self.slots)
         if keys is not None:
             _check_keys(keys, n)
+            if above:
+                _check_keys(above, len(above))
         elif self.store.keyed:
             raise MisuseError(f"{direction.name}: the {self.store.kind} store addresses pages by key; give keys")
         ticket = StoreTicket(direction, n, n * self.bytes_per_page, started=t0)
@@ -292,6 +316,8 @@ class StoreMover:
             if not isinstance(dep, DeviceTicket):
                 dep.wait()
         job = _Job(op, ticket, list(host_pages), list(slots), None if keys is None else list(keys), deadline)
+        if keys is not None:
+            job.above = list(above)
         job.deps = [d for d in deps if isinstance(d, DeviceTicket)]
         with self._lock:
             self._active.add(job)
@@ -441,10 +467,11 @@ class StoreMover:
 
     @staticmethod
     def _ordered(job: _Job) -> list[bytes]:
-        """The keys of ``job`` that ended read or stored, in order (a prompt's pages)."""
+        """The keys before ``job``'s in its prompt, then those of ``job`` that ended read or
+        stored, in order (a prompt's pages)."""
         assert job.keys is not None
         good = STORED if job.op == "write" else frozenset({PageStatus.OK})
-        return [k for k, s in zip(job.keys, job.statuses, strict=True) if s in good]
+        return [*job.above, *(k for k, s in zip(job.keys, job.statuses, strict=True) if s in good)]
 
     def _chunk_ended(self, job: _Job) -> bool:
         """Under the lock: finish the job if this was its last chunk, settle a straggling
