@@ -478,3 +478,21 @@ def test_a_prompt_stored_in_two_jobs_is_evicted_from_its_end(tmp_path: Path) -> 
     assert again.read([0, 1], [2, 3], KEYS[:2]).wait()
     assert torch.equal(again.host.bytes[2], page_bytes(0)) and torch.equal(again.host.bytes[3], page_bytes(1))
     again.close()
+
+
+def test_a_read_ranks_the_pages_above_it_in_memory_without_touching_their_files(tmp_path: Path) -> None:
+    """A read with ``above`` ranks those pages first for eviction in this process, but does
+    not stamp their files: its ticket (a restore) does not wait for a syscall per page of
+    the prompt's head. Its own pages are stamped."""
+    path = tmp_path / "s"
+    s = dir_store(path, slots=8, host_pages=8)
+    fill(s.host, list(range(8)), list(range(8)))
+    assert s.write(list(range(8)), list(range(8)), KEYS[:8]).wait()
+    names = [dirmod._name(k) for k in KEYS[:8]]
+    before = [os.stat(path / n).st_mtime_ns for n in names]
+    assert s.read([4, 5, 6, 7], [0, 1, 2, 3], KEYS[4:8], above=KEYS[:4]).wait()
+    after = [os.stat(path / n).st_mtime_ns for n in names]
+    assert after[:4] == before[:4] and all(a > b for a, b in zip(after[4:], before[4:], strict=True))
+    assert s.write([4, 5], [0, 1], KEYS[40:42]).wait()  # two evictions: the tail's last two
+    assert s.exists(KEYS[:8]) == 6
+    s.close()

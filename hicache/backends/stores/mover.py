@@ -185,7 +185,8 @@ class StoreMover:
         again (their status is EXISTS, and the ticket succeeds). ``above``: the keys of the
         prompt's pages before these; a store that keeps recency (dir) ranks them, then
         these, as the most recently used once the job ends, so eviction takes the prompt
-        from its end even when its pages arrived in several jobs."""
+        from its end even when its pages arrived in several jobs (a read ranks them in
+        memory only: its ticket does not wait for their mtimes)."""
         return self._submit("write", host_pages, slots, keys, above)
 
     def read(
@@ -457,7 +458,10 @@ class StoreMover:
         if stamp_now:
             assert stamp is not None
             try:
-                stamp(self._ordered(job))
+                # NOTE: a read's ticket ends after its stamp: the pages above it (not read) are
+                # ranked in memory only, so a restore does not wait for a syscall per page of
+                # its prompt's head.
+                stamp(self._ordered(job, above=job.op == "write"))
             finally:
                 with self._lock:
                     self._running -= 1
@@ -466,12 +470,12 @@ class StoreMover:
             self._close_store()
 
     @staticmethod
-    def _ordered(job: _Job) -> list[bytes]:
-        """The keys before ``job``'s in its prompt, then those of ``job`` that ended read or
-        stored, in order (a prompt's pages)."""
+    def _ordered(job: _Job, *, above: bool = True) -> list[bytes]:
+        """The keys before ``job``'s in its prompt (with ``above``), then those of ``job``
+        that ended read or stored, in order (a prompt's pages)."""
         assert job.keys is not None
         good = STORED if job.op == "write" else frozenset({PageStatus.OK})
-        return [*job.above, *(k for k, s in zip(job.keys, job.statuses, strict=True) if s in good)]
+        return [*(job.above if above else ()), *(k for k, s in zip(job.keys, job.statuses, strict=True) if s in good)]
 
     def _chunk_ended(self, job: _Job) -> bool:
         """Under the lock: finish the job if this was its last chunk, settle a straggling
