@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from hicache.errors import MisuseError
 
 
-def as_tokens(tokens: object) -> tuple[int, ...]:
+class Tokens(tuple[int, ...]):
+    """A tuple of tokens :func:`as_tokens` checked: handed to it again (an engine's prompt,
+    checked at submit, then at admit), it is not checked twice."""
+
+    __slots__ = ()
+
+
+def as_tokens(tokens: object) -> Tokens:
     """A non-empty 1-D sequence of ints in int64 range (tuple, list, integer tensor or
-    array) as a tuple.
+    array) as a tuple of plain ints.
     Bools in a sequence count as the ints 0 and 1, as everywhere in Python (a per-token type
-    check would cost a pass over every prompt); a bool tensor is refused."""
+    check would cost a pass over every prompt), and come back as them; a bool tensor is refused."""
+    if type(tokens) is Tokens:
+        return tokens
     if isinstance(tokens, tuple):
         out = tokens
     elif isinstance(tokens, torch.Tensor):
@@ -45,11 +56,25 @@ def as_tokens(tokens: object) -> tuple[int, ...]:
         bad = next(x for x in out if type(x) is not int and type(x) is not bool)
         raise MisuseError(f"tokens must be ints, got {bad!r} ({type(bad).__name__})")
     # NOTE: the range every store can name (keys hash tokens as int64), whichever is used.
-    low, high = min(out), max(out)
-    if low < _INT64_MIN or high > _INT64_MAX:
-        bad = low if low < _INT64_MIN else high
-        raise MisuseError(f"tokens must be ints in int64 range, got {bad}")
-    return out
+    # One C-level pass again: packing them as int64 raises on the first out of range (min
+    # and max compare generically and cost twice as much, a tenth of a millisecond on a
+    # 3,500-token prompt: a tenth of an L2 restore's bookkeeping).
+    fmt = f"<{len(out)}q"
+    try:
+        packed = struct.pack(fmt, *out)
+    except struct.error:
+        bad = next(x for x in out if not _INT64_MIN <= x <= _INT64_MAX)
+        raise MisuseError(f"tokens must be ints in int64 range, got {bad}") from None
+    # NOTE: unpacked, they are plain ints (a bool or an int subclass among them is its
+    # value), as the stores hash them and an engine's forward reads them.
+    return Tokens(struct.unpack(fmt, packed))
+
+
+def bounds(tokens: Tokens) -> tuple[int, int]:
+    """The smallest and the largest of ``tokens`` (checked ones): by numpy over their int64
+    bytes, a few times faster than ``min`` and ``max`` over the ints, which compare generically."""
+    packed = np.frombuffer(struct.pack(f"<{len(tokens)}q", *tokens), dtype=np.int64)
+    return int(packed.min()), int(packed.max())
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

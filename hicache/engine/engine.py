@@ -50,7 +50,7 @@ from hicache.backends.transfer import TransferBackend
 from hicache.core.controller import PendingRestore, Request, WritePolicy
 from hicache.core.cost import CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage
-from hicache.core.tokens import as_tokens
+from hicache.core.tokens import Tokens, as_tokens, bounds
 from hicache.engine.model import (
     AttentionImpl,
     CudnnUse,
@@ -127,7 +127,7 @@ class _Layered:
 @dataclass(eq=False)
 class _Seq:
     id: int
-    prompt: list[int]
+    prompt: Tokens
     max_new: int
     arrived: float
     state: SeqState = SeqState.WAITING
@@ -389,7 +389,8 @@ class Engine:
             raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         toks = as_tokens(prompt)  # one C-level pass; raises MisuseError naming a bad token
         vocab = int(getattr(self.net.config, "vocab_size", 0))
-        if min(toks) < 0 or max(toks) >= vocab:
+        low, high = bounds(toks)
+        if low < 0 or high >= vocab:
             bad = next(t for t in toks if not 0 <= t < vocab)
             raise ConfigError(f"prompt token {bad!r} is not in [0, {vocab})")
         need = -(-(len(toks) + max_new_tokens) // self.page_size)
@@ -398,9 +399,9 @@ class Engine:
                 f"no room in L1 for a prompt of {len(toks)} tokens and {max_new_tokens} new: it needs {need} "
                 f"pages of {self.page_size} tokens, the pool has {self.config.cache.l1_pages}"
             )
-        # NOTE: as plain ints (bools among them are 0 and 1, as in the core): the forward
-        # sees the prompt as the cache does, whatever the prompt's tail was made of.
-        seq = _Seq(next(self._ids), list(map(int, toks)), max_new_tokens, time.perf_counter())
+        # NOTE: plain ints (as_tokens makes bools 0 and 1): the forward sees the prompt as
+        # the cache does; and checked, so admitting it does not check it again.
+        seq = _Seq(next(self._ids), toks, max_new_tokens, time.perf_counter())
         self._waiting.append(seq)
         self.stats.submitted += 1
         return seq.id

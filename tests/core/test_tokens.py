@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.core.tokens import as_tokens
+from hicache.core.tokens import as_tokens, bounds
 from hicache.errors import MisuseError
 
 
@@ -27,7 +27,33 @@ def test_a_one_dimensional_integer_sequence_becomes_a_tuple_of_ints(given: objec
     """Tuples, lists, integer tensors and arrays of one dimension give the same tuple of ints."""
     out = as_tokens(given)
     assert out == (5, 6, 7)
-    assert type(out) is tuple and all(type(x) is int for x in out)
+    assert isinstance(out, tuple) and all(type(x) is int for x in out)
+
+
+def test_bools_and_int_subclasses_come_back_as_plain_ints() -> None:
+    """Bools count as 0 and 1 and come back as those ints (the stores hash them, an engine's
+    forward reads them, as ints)."""
+
+    class Id(int):
+        pass
+
+    out = as_tokens([True, Id(7), False, 2])
+    assert out == (1, 7, 0, 2)
+    assert [type(x) for x in out] == [int] * 4
+
+
+def test_a_checked_sequence_is_not_checked_again() -> None:
+    """What as_tokens returns, handed back, is returned as it is (an engine checks a prompt
+    at submit; its admit does not check it twice)."""
+    out = as_tokens([3, 1, 2])
+    assert as_tokens(out) is out
+    assert as_tokens(tuple(out)) is not out  # a plain tuple is checked
+
+
+@pytest.mark.parametrize("given", [[5], [3, -1, 9], [0, 2**63 - 1, -(2**63)], list(range(1000, 0, -7)), [True, 4]])
+def test_bounds_are_the_smallest_and_the_largest_token(given: list[int]) -> None:
+    toks = as_tokens(given)
+    assert bounds(toks) == (min(given), max(given))
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import torch
 
 from hicache.backends.pools import DevicePool
 from hicache.backends.transfer import TransferEngine
+from hicache.core.tokens import as_tokens
 from hicache.engine import Engine, ModelRunner, build_model, kv_geometry
 from hicache.engine.attention import HAVE_TRITON
 from hicache.engine.cli import add_engine_args
@@ -505,7 +506,9 @@ def test_idle_steps_stay_short_while_a_copy_engine_transfer_is_in_flight() -> No
     from hicache.engine import engine as engine_module
 
     e = engine()
-    seq = engine_module._Seq(id=1, prompt=[1, 2, 3], max_new=1, arrived=0.0, state=engine_module.SeqState.RESTORING)
+    seq = engine_module._Seq(
+        id=1, prompt=as_tokens([1, 2, 3]), max_new=1, arrived=0.0, state=engine_module.SeqState.RESTORING
+    )
     transfer = type("T", (), {"direction": Direction.H2D})()
     seq.restore = type("R", (), {"transfer": transfer})()
     e._active[1] = seq
@@ -527,7 +530,9 @@ def test_an_idle_step_waits_for_the_first_restore_copy_instead_of_sleeping(
     from hicache.engine import engine as engine_module
 
     e = engine()
-    seq = engine_module._Seq(id=1, prompt=[1, 2, 3], max_new=1, arrived=0.0, state=engine_module.SeqState.RESTORING)
+    seq = engine_module._Seq(
+        id=1, prompt=as_tokens([1, 2, 3]), max_new=1, arrived=0.0, state=engine_module.SeqState.RESTORING
+    )
     seq.restore = type("R", (), {"transfer": type("T", (), {"direction": Direction.S2H})(), "finished": False})()
     e._active[1] = seq
     e._idle_streak = 3
