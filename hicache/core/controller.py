@@ -461,6 +461,11 @@ class Controller:
         if req.state is not ReqState.ADMITTED:
             raise MisuseError(f"start_restore: request #{req.id} is {req.state.value}; restore right after admit")
         plan = plan or self.plan(req)
+        if not isinstance(plan.tier, Tier) or isinstance(plan.tokens, bool) or not isinstance(plan.tokens, int):
+            raise MisuseError(
+                f"start_restore: a plan needs a Tier and an int of tokens, "
+                f"got tier {plan.tier!r}, tokens {plan.tokens!r}"
+            )
         if plan.tier is Tier.L1 or plan.tokens <= req.cached_len:
             self._move(req, ReqEvent.SKIP, "start_restore")
             return None

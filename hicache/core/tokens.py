@@ -25,6 +25,10 @@ def as_tokens(tokens: object) -> Tokens:
     check would cost a pass over every prompt), and come back as them; a bool tensor is refused."""
     if type(tokens) is Tokens:
         return tokens
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        # NOTE: text or raw bytes, not token ids (a sequence of ints when indexed, yet never
+        # what a caller means by a prompt)
+        raise MisuseError(f"tokens must be a 1-D sequence of ints, got {type(tokens).__name__}")
     if isinstance(tokens, tuple):
         out = tokens
     elif isinstance(tokens, torch.Tensor):
@@ -36,7 +40,7 @@ def as_tokens(tokens: object) -> Tokens:
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise MisuseError(f"tokens must be integers, got dtype {tokens.dtype}")
         out = tuple(tokens.tolist())
-    elif isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes)):
+    elif isinstance(tokens, Sequence):
         out = tuple(tokens)
     elif hasattr(tokens, "tolist") and hasattr(tokens, "ndim"):
         if tokens.ndim != 1:

@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import threading
 import time
 import warnings
 from collections import deque
@@ -343,6 +344,7 @@ class Engine:
         self.prefetch = config.prefetch
         self.max_batch = config.max_batch
         self.cache = HiCache(cc)
+        self._owner = threading.get_ident()  # the cache's too: both are single-threaded
         try:
             self.runner = ModelRunner(
                 self.net,
@@ -426,6 +428,13 @@ class Engine:
     def _check_open(self) -> None:
         if self.cache.closed:
             raise MisuseError("this Engine is closed")
+        self._check_thread()
+
+    def _check_thread(self) -> None:
+        """Refuse a call from another thread before it changes anything (the cache would
+        refuse it part-way: an abort had forgotten its request, the cache still held it)."""
+        if threading.get_ident() != self._owner:
+            raise MisuseError("Engine is single-threaded: call it from the thread that created it")
 
     def _drop(self, seq: _Seq) -> None:
         """Give back everything ``seq`` holds in the cache."""
@@ -1032,6 +1041,7 @@ class Engine:
         model runner (hands its CUDA streams on to the next engine's)."""
         if self.cache.closed:
             return
+        self._check_thread()
         for rid in [s.id for s in self._waiting] + list(self._active):
             self.abort(rid)
         self._finished.clear()

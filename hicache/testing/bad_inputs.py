@@ -20,6 +20,7 @@ from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.storage import StorageBackend, StorageFile
 from hicache.backends.transfer import TransferEngine
 from hicache.core.cache import CacheCore
+from hicache.core.cost import Plan
 from hicache.core.geometry import DevicePage, KVGeometry, TierSizes
 from hicache.errors import (
     ConfigError,
@@ -158,6 +159,7 @@ def catalogue() -> list[BadInput]:
         ),
         BadInput("tokens", "float tensor", lambda: core.match(torch.zeros(4)), MisuseError, "float32", snap),
         BadInput("tokens", "a string", lambda: core.match("hello"), MisuseError, "str", snap),
+        BadInput("tokens", "a bytearray", lambda: core.match(bytearray(b"hi")), MisuseError, "bytearray", snap),
         BadInput("tokens", "an int past int64", lambda: core.match([1, 2**63]), MisuseError, "int64 range", snap),
         BadInput("tokens", "an int below int64", lambda: core.match([-(2**63) - 1, 2]), MisuseError, "int64", snap),
         BadInput(
@@ -352,6 +354,14 @@ def catalogue() -> list[BadInput]:
             lambda: cache.start_restore(live, cast(Any, "L2")),
             MisuseError,
             "str",
+            state,
+        ),
+        BadInput(
+            "requests",
+            "start_restore with a plan whose tier is a name",
+            lambda: cache.start_restore(live, Plan(cast(Any, "L2"), 16, 0.0, 0.0, 0.0)),
+            MisuseError,
+            "'L2'",
             state,
         ),
         BadInput(

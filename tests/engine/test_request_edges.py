@@ -5,6 +5,8 @@ same tokens as a recompute."""
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -449,3 +451,44 @@ def test_a_drain_during_a_restore_leaves_the_engine_able_to_finish_it() -> None:
     assert sorted(outs) == [a, b]
     assert [outs[i].tokens for i in (a, b)] == want
     e.close()
+
+
+@pytest.mark.parametrize("call", ["abort", "close", "submit", "step", "run", "generate", "status"])
+def test_a_call_from_another_thread_is_refused_before_it_changes_anything(call: str) -> None:
+    """The engine, like its cache, is single-threaded: a call from another thread raises
+    MisuseError and leaves the request where it was (an abort from another thread had dropped
+    the request from the engine while its cache request, lease and pages stayed held); the
+    owner thread then serves it to the end, leaving nothing held."""
+    e = engine()
+    rid = e.submit(list(range(1, 3 * PS + 2)), max_new_tokens=6)
+    e.step()
+    e.step()
+    before = (e.state_of(rid), e.pending, e.cache.status().requests)
+    assert before[0] is not None and before[2] == 1
+    calls: dict[str, Callable[[], object]] = {
+        "abort": lambda: e.abort(rid),
+        "close": e.close,
+        "submit": lambda: e.submit([5, 6, 7]),
+        "step": e.step,
+        "run": e.run,
+        "generate": lambda: e.generate([5, 6, 7]),
+        "status": e.status,
+    }
+    raised: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            calls[call]()
+        except BaseException as exc:
+            raised.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], MisuseError), raised
+    assert "single-threaded" in str(raised[0])
+    assert (e.state_of(rid), e.pending, e.cache.status().requests) == before
+    outs = e.run()
+    assert [o.id for o in outs] == [rid] and outs[0].error is None and len(outs[0].tokens) == 6
+    closed_clean(e)
