@@ -18,7 +18,7 @@ from hicache.backends.stores import PageStatus, open_storage
 from hicache.backends.stores.dir import TRAILER_BYTES
 from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError
-from tests.backends.store_helpers import KEYS, G, dir_store, fill, page_bytes
+from tests.backends.store_helpers import KEYS, G, dir_store, eventually, fill, page_bytes
 
 
 def page_files(path: Path) -> list[Path]:
@@ -88,6 +88,27 @@ def test_missing_page_fails_the_read_as_lost(tmp_path: Path) -> None:
     assert t.statuses == [PageStatus.OK, PageStatus.MISSING]
     assert t.error is not None and "lost" in t.error
     assert s.exists(KEYS[:2]) == 1
+    s.close()
+
+
+def test_a_fifo_planted_under_a_page_name_fails_the_read_at_once(tmp_path: Path) -> None:
+    """A FIFO put in place of a page while the store is open: opening it for the read does
+    not wait for a writer (it held an I/O worker forever, the restore until its deadline,
+    close() until its timeout and the directory's lock for the life of the process). The read
+    fails as a wrong-size page, the other page is served, and the store closes and reopens."""
+    s = dir_store(tmp_path, deadline_s=None)
+    fill(s.host, [0, 1], [0, 1])
+    assert s.write([0, 1], [0, 1], KEYS[:2]).wait()
+    f = tmp_path / f"{KEYS[1].hex()}.page"
+    f.unlink()
+    os.mkfifo(f)
+    t = s.read([0, 1], [2, 3], KEYS[:2])
+    assert eventually(t.poll)  # a liveness bound: a blocked open never ends
+    assert t.ok is False and t.lost and t.statuses == [PageStatus.OK, PageStatus.CORRUPT]
+    assert torch.equal(s.host.bytes[2], page_bytes(0))
+    s.close()
+    s = dir_store(tmp_path)  # the lock was given back
+    assert s.exists(KEYS[:1]) == 1
     s.close()
 
 

@@ -16,7 +16,8 @@ Verification: on open, every page's size and trailer (key = file name, checksums
 trailer) are checked and anything wrong is deleted; on every read, the payload's checksum
 too: a torn or corrupt page is never served (it is deleted and reported CORRUPT). The
 directory is 0700, files 0600, nothing is opened through a symlink (``O_NOFOLLOW``, all
-paths relative to the directory's descriptor). At most ``capacity`` pages: the least
+paths relative to the directory's descriptor) and no open waits on a FIFO planted under a
+page's name (``O_NONBLOCK``; what is not a regular file is dropped). At most ``capacity`` pages: the least
 recently used (by read or write; kept across restarts as file mtimes) are evicted. A page is
 reachable only through the pages before it in its prompt (a read stops at the first missing
 key), so after a whole read or write the mover calls :meth:`DirStore.order`: within those
@@ -133,7 +134,7 @@ class DirStore:
     def _check_format(self) -> None:
         want = f"hicache-dir-store {VERSION}\nbytes_per_page {self.bytes_per_page}\n"
         try:
-            fd = os.open("FORMAT", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
+            fd = os.open("FORMAT", os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
         except FileNotFoundError:
             _check_adoptable(self.dirfd, self.path)  # again, under the lock
             self._made_format = True
@@ -200,7 +201,7 @@ class DirStore:
 
     def _read_trailer(self, name: str) -> bytes | None:
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
         except OSError:
             return None
         try:
@@ -360,7 +361,7 @@ class DirStore:
         name = _name(key)
         fault = self.faults.take("read", DIR_FAULTS)
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
         except FileNotFoundError:
             with self._lock:
                 self._lru.pop(key, None)
@@ -473,7 +474,7 @@ def _check_adoptable(dirfd: int, path: Path) -> set[str]:
 
 
 def _lock_dir(dirfd: int, path: Path) -> int:
-    fd = os.open("LOCK", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
+    fd = os.open("LOCK", os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:

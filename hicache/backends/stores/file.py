@@ -10,7 +10,8 @@ are ignored (metadata is process-local).
 File safety: with no path, an unnamed file (``O_TMPFILE``, else ``mkstemp`` + ``unlink``)
 with mode 0600 that vanishes even if the process is killed. With a path: refuse a directory,
 a symlink, a file owned by another user, an unwritable place, too little free space or a
-file-size limit below the L3 size; open with ``O_NOFOLLOW`` and re-check the opened file;
+file-size limit below the L3 size; open with ``O_NOFOLLOW`` and ``O_NONBLOCK`` (a FIFO put
+there after the checks does not hold the open) and re-check the opened file;
 lock it (``flock``) so a second cache cannot truncate a live file; refuse an existing
 non-empty file that does not carry the store's mark (:data:`MARK`, an extended attribute
 set on the files it makes); truncate at start.
@@ -92,7 +93,7 @@ class StorageFile:
         self._validate(p)
         existed = p.exists()
         try:
-            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | extra, 0o600)
+            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | extra, 0o600)
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # NOTE: a symlink planted after _validate
                 raise ConfigError(f"L3 path {p} became a symlink; refusing to follow it") from exc
