@@ -9,8 +9,10 @@ import json
 import math
 import os
 import platform
+import select
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -51,6 +53,11 @@ def out_dir(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{shown}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{shown}: {parent} is not writable")
+    try:  # NOTE: a file made and dropped: root passes os.access where writes still fail (/sys, /proc)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{shown}: cannot write in {parent}: {exc.strerror or exc}") from None
     return path
 
 
@@ -134,6 +141,13 @@ def guarded(main: Callable[[], object]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except BrokenPipeError as exc:
+        if not stdout_gone():
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        # the reader of the output left (``| head``): stop quietly, as a SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None
     except (HiCacheError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -145,6 +159,16 @@ def guarded(main: Callable[[], object]) -> None:
         print(f"error: out of memory: {first}; try fewer or smaller pages", file=sys.stderr)
         raise SystemExit(2) from None
     raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader closed it."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def tag_name(text: str) -> str:

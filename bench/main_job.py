@@ -98,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as exc:  # the parser printed "error: --flag VALUE: reason"
             return exc.code if isinstance(exc.code, int) else 2
     for name, args in split.items():
-        code = subprocess.call([sys.executable, str(HERE / name), *args])
+        try:
+            code = subprocess.call([sys.executable, str(HERE / name), *args])
+        except KeyboardInterrupt:  # the benchmark got the Ctrl-C too and said "interrupted"
+            return 130
         if code:
             return code
     return 0

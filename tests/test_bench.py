@@ -3,6 +3,7 @@ and that a recompute is reported as one."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -368,3 +369,37 @@ def test_result_files_are_json_without_nan(tmp_path: Path) -> None:
     assert "NaN" not in text and "Infinity" not in text
     doc = json.loads(text)
     assert doc["rows"][0]["speedup"] is None and doc["rows"][0]["x"] == [None, 1.0]
+
+
+def test_an_out_directory_that_cannot_be_written_is_refused_with_the_flags() -> None:
+    """A place the permission bits allow (root passes os.access everywhere) but where no file
+    can be made: refused when the flags are read, not after the first benchmark ran."""
+    with pytest.raises(argparse.ArgumentTypeError, match=r"(cannot write in /proc|/proc is not writable)"):
+        common.out_dir("/proc/hicache-results")
+
+
+def test_the_main_job_ends_quietly_with_130_on_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark it runs gets the Ctrl-C too and says "interrupted"; the main job adds
+    no traceback of its own."""
+    import main_job
+
+    def interrupted(*args: object, **kwargs: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess, "call", interrupted)
+    assert main_job.main([]) == 130
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    """``| head``: once the reader left, the benchmark stops with 141 (as a SIGPIPE would)
+    and no "error: [Errno 32] Broken pipe" (exit 2 is for bad flags)."""
+    code = "import common\ncommon.guarded(lambda: [print('x' * 200) for _ in range(200_000)])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT / "bench", stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().strip() == b"x" * 200
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""

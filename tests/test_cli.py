@@ -175,7 +175,13 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         ),
         (
             [*l3, "--hicache-storage-backend", "dir", "--hicache-storage-path", ""],
-            "error: --hicache-storage-path '': storage_path must not be empty (None: an unnamed file)",
+            "error: --hicache-storage-path '': "
+            "an empty path (a directory for dir, a file for file; leave out: unnamed)",
+        ),
+        (
+            [*l3, "--hicache-storage-path", ""],
+            "error: --hicache-storage-path '': "
+            "an empty path (a directory for dir, a file for file; leave out: unnamed)",
         ),
         (
             ["--enable-hicache", "--hicache-prior-recompute-us", "1e-320"],
@@ -500,7 +506,7 @@ def test_without_the_engine_extra_the_module_says_so_in_one_line(missing: str) -
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stdout == "" and run.stderr.count("\n") == 1
-    assert run.stderr.startswith("error: the reference engine needs the [engine] extra: pip install 'hicache[engine]'")
+    assert run.stderr.startswith("error: the reference engine needs the [engine] extra: pip install '.[engine]'")
     assert missing in run.stderr
 
 
@@ -525,7 +531,7 @@ def test_without_transformers_building_a_model_is_a_config_error(monkeypatch: py
     from hicache.engine import build_model
 
     monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.raises(ConfigError, match=r"need the \[engine\] extra: pip install 'hicache\[engine\]'"):
+    with pytest.raises(ConfigError, match=r"need the \[engine\] extra: pip install '\.\[engine\]'"):
         build_model("tiny")
 
 

@@ -7,7 +7,7 @@ Put your engine's pieces in :func:`my_l1` and :func:`my_mover` (or pass your own
 :func:`fuzz`). The machines drive ``HiCache`` through every request and transfer
 interleaving they can reach, with your pool holding the pages and your mover copying them,
 and check after every step that the cache is consistent and that every page a request may
-read holds exactly its prefix's bytes. Needs ``pip install 'hicache[dev]'`` (hypothesis,
+read holds exactly its prefix's bytes. Needs ``pip install '.[dev]'`` in the checkout (hypothesis,
 pytest). docs/TESTING.md explains what is checked and how to read a failure.
 """
 

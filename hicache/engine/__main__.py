@@ -27,7 +27,8 @@ try:  # the [engine] extra
     from tqdm import tqdm
 except ImportError as _missing:
     print(
-        f"error: the reference engine needs the [engine] extra: pip install 'hicache[engine]' ({_missing})",
+        "error: the reference engine needs the [engine] extra: "
+        f"pip install '.[engine]' in the hicache checkout ({_missing})",
         file=sys.stderr,
     )
     raise SystemExit(2) from None

@@ -417,6 +417,10 @@ def check_flags(args: argparse.Namespace) -> None:
         presets = ", ".join(sorted(PRESETS))
         raise FlagError("--model", args.model, f"not a preset ({presets}) nor a checkpoint directory (config.json)")
     path = args.hicache_storage_path
+    if path == "":
+        raise FlagError(
+            "--hicache-storage-path", path, "an empty path (a directory for dir, a file for file; leave out: unnamed)"
+        )
     l3 = args.enable_hicache and (args.hicache_storage_size or args.hicache_storage_ratio)
     if l3 and path is None and args.hicache_storage_backend == "dir":
         raise FlagError("--hicache-storage-backend", "dir", "needs --hicache-storage-path (a directory)")

@@ -197,7 +197,7 @@ def build_model(
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as exc:
-        need = "pip install 'hicache[engine]'"
+        need = "pip install '.[engine]' in a checkout of hicache"
         raise ConfigError(f"the reference engine's models need the [engine] extra: {need} ({exc})") from None
 
     for name, flag in (("fused_norms", fused_norms), ("fused_layers", fused_layers)):

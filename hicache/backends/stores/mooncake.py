@@ -18,6 +18,7 @@ request fails at once and ``exists`` answers 0 — the engine serves on without 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import importlib.util
@@ -29,6 +30,7 @@ import select
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -303,29 +305,40 @@ store.close()
 
 def _probe(args: list[Any], timeout_s: float) -> str | None:
     """None if a fresh process can set up a client with ``args`` within ``timeout_s``;
-    else why not."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PROBE, json.dumps(args)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-        line = proc.stdout.readline().split() if ready else []
-        if line[:1] != ["rc"]:
-            return f"no answer from the master within {timeout_s} s (setup probe)"
-        return None if line[1:] == ["0"] else f"setup failed: {' '.join(line[1:])}"
-    finally:
+    else why not: no answer in time, the setup's error code, or the last line the probe
+    printed to stderr before it exited (a client library that cannot load: blaming the
+    master for it sent users looking in the wrong place)."""
+    with tempfile.TemporaryFile("w+") as err:  # NOTE: a file, not a pipe: it cannot fill up
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PROBE, json.dumps(args)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
         try:
-            proc.wait(2.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+            raw = proc.stdout.readline() if ready else ""
+            line = raw.split()
+            if line[:1] == ["rc"]:
+                return None if line[1:] == ["0"] else f"setup failed: {' '.join(line[1:])}"
+            if ready and not raw:  # end of output: the probe exited without an answer
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(2.0)
+                err.seek(0)
+                said = [x.strip() for x in err.read().splitlines() if x.strip()]
+                code = proc.returncode
+                return f"the setup probe exited ({code}) before an answer: {said[-1] if said else 'no output'}"
+            return f"no answer from the master within {timeout_s} s (setup probe)"
+        finally:
+            try:
+                proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 def _quiet_close(store: Any, buffer: int | None = None) -> None:
