@@ -17,6 +17,13 @@ A transfer larger than one chunk alternates two streams: gathers (scatters) on
     kernel_stream:  gather 0 | gather 1 | gather 2 ...      (slot k reused once its DMA ended)
     stream:                  |  DMA 0   |  DMA 1   | DMA 2 ...
 
+A D2H of at least twice ``ring_head_pages`` pages moves that many first pages as the copy
+path does, one strided DMA per page queued before the first gather is launched, so the copy
+engine works while the host launches it and the kernel runs::
+
+    kernel_stream:        | gather 0 | gather 1 ...
+    stream:         head DMAs        | DMA 0    | DMA 1 ...
+
 ``layered`` (H2D with ``layer_events``, CUDA with cuda-python): per group of layers
 (:meth:`TransferEngine.layer_groups`), strided DMAs of those layers into a ring slot in a
 compact layout (rows of a group's layers of a page: wide), then out of the slot into L1;
@@ -60,6 +67,7 @@ On a CPU-only machine the same API runs synchronously (no streams; tickets finis
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -102,6 +110,12 @@ DIRECT_MAX_BYTES = 16 << 20
 # Up to this many pages a transfer goes on the copy engine alone, one strided DMA per page
 # (cuda-python). bench/transfer.py measures it ("copy" column) against the other paths.
 COPY_MAX_PAGES = 32
+# A D2H through the ring moves its first RING_HEAD_PAGES pages as the copy path does (one
+# strided DMA per page, no ids, no kernel): the copy engine starts on them while the host
+# uploads the page ids and launches the first gather, which it otherwise waited for
+# (~0.1 ms of a 3 ms transfer of 64 pages). Enough pages to outlast that: a page of
+# Qwen3-8B takes ~45 us to copy.
+RING_HEAD_PAGES = 4
 # A layered H2D of at most STRAIGHT_MAX_PAGES pages whose pages form at most STRAIGHT_RUNS
 # runs in both pools goes straight into L1: 2 x layers strided DMAs per run (rows of one
 # page-layer, 32 KiB for Qwen3-8B), no ring and no scatter; beyond STRAIGHT_RUNS the DMA
@@ -341,6 +355,7 @@ class TransferEngine:
         straight_max_pages: int = STRAIGHT_MAX_PAGES,
         d2d_runs: int = D2D_RUNS,
         d2d_min_bytes: int = D2D_MIN_BYTES,
+        ring_head_pages: int | None = None,
     ) -> None:
         layer_group = LAYER_GROUP if layer_group is None else layer_group
         max_layer_group = MAX_LAYER_GROUP if max_layer_group is None else max_layer_group
@@ -402,6 +417,10 @@ class TransferEngine:
         self._straight_only = False  # the ring could not be had for a layered H2D
         self.copy_max_pages = (COPY_MAX_PAGES if self.cuda else 0) if copy_max_pages is None else copy_max_pages
         self.copy_usable = self.copy_max_pages > 0 and (dma.AVAILABLE or not self.cuda)
+        if ring_head_pages is not None and (isinstance(ring_head_pages, bool) or ring_head_pages < 0):
+            raise ConfigError(f"ring_head_pages must be an int >= 0, got {ring_head_pages!r}")
+        # NOTE: on CPU only when asked for, as the copy path (tests of the split)
+        self.ring_head_pages = (RING_HEAD_PAGES if self.cuda else 0) if ring_head_pages is None else ring_head_pages
         self.fence_policy: FencePolicy = fences
         # NOTE: off by default: alone the split copy runs nearer the plain rate, but in the
         # engine the layered prefill ended behind the whole copy (docs/RESULTS.md, latency).
@@ -875,6 +894,11 @@ class TransferEngine:
         if path == "copy":
             return self._issue_copy(ticket, d2h, l1_pages, l2_pages, events)
         assert self._ids is not None
+        head = self._ring_head(path, d2h, len(l1_pages))
+        all_l1, all_l2 = l1_pages, l2_pages
+        if head:
+            # the ring moves the rest; its ids and runs are the rest's
+            l1_pages, l2_pages, runs = l1_pages[head:], l2_pages[head:], page_runs(l2_pages[head:])
         n = len(l1_pages)
         zero_copy = path == "direct" or self._zero_copy(path, runs)
         # NOTE: row DMAs out of the ring read no page ids: none are written or uploaded
@@ -899,7 +923,11 @@ class TransferEngine:
                     self._layered_copies(l1_ids, l2_ids, l2_pages, runs, events, l1_pages, l1_runs)
                 elif path == "ring":
                     assert l1_ids is not None
-                    self._ring_copies(d2h, l1_ids, l2_pages, runs)
+                    first = None
+                    if head:
+                        pairs = list(zip(all_l2[:head], all_l1[:head], strict=True))
+                        first = functools.partial(self._copy_pairs, True, pairs)
+                    self._ring_copies(d2h, l1_ids, l2_pages, runs, first)
                 if events is not None and path != "layered":
                     for event in {id(e): e for e in events}.values():  # every layer lands with the last page
                         event.record(self.stream)
@@ -921,6 +949,24 @@ class TransferEngine:
         ticket.bind(self._checker(ticket, timer, fault.kind if fault else None, fault.delay_s if fault else 0.0))
         return path
 
+    def _ring_head(self, path: Path, d2h: bool, n: int) -> int:
+        """How many of a ring D2H's first pages go as the copy path does (:data:`RING_HEAD_PAGES`):
+        none unless the ring keeps at least as many."""
+        head = self.ring_head_pages if path == "ring" and d2h and (dma.AVAILABLE or not self.cuda) else 0
+        return head if n >= 2 * head else 0
+
+    def _copy_pairs(self, d2h: bool, pairs: Sequence[tuple[int, int]]) -> None:
+        """One strided DMA per ``(destination, source)`` page pair between L1 and L2, on the
+        transfer stream (CPU: at once); L2 pages first in a D2H's pairs, L1 pages in an H2D's."""
+        g = self.geometry
+        width = g.page_elements * self.l1.buffer.element_size()
+        rows = 2 * g.num_layers
+        l1 = (self.l1.slabs.data_ptr(), width, self.l1.num_pages * width)  # base, page step, row pitch
+        l2 = (self.l2.slabs.data_ptr(), rows * width, width)
+        (dst, dpage, dpitch), (src, spage, spitch) = (l2, l1) if d2h else (l1, l2)
+        stream = self.stream if self.cuda else None
+        dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, stream)
+
     def _issue_copy(
         self,
         ticket: DeviceTicket,
@@ -934,12 +980,6 @@ class TransferEngine:
         L1  [2*layers, pages, E]:  page p = 2*layers rows of E elements, a slab apart
         L2  [pages, 2*layers, E]:  page q = the same rows, contiguous
         """
-        g = self.geometry
-        width = g.page_elements * self.l1.buffer.element_size()
-        rows = 2 * g.num_layers
-        l1 = (self.l1.slabs.data_ptr(), width, self.l1.num_pages * width)  # base, page step, row pitch
-        l2 = (self.l2.slabs.data_ptr(), rows * width, width)
-        (dst, dpage, dpitch), (src, spage, spitch) = (l2, l1) if d2h else (l1, l2)
         pairs = list(zip(l2_pages, l1_pages, strict=True) if d2h else zip(l1_pages, l2_pages, strict=True))
         timer = self._timer() if self.cuda else None
         t = time.perf_counter()
@@ -949,14 +989,14 @@ class TransferEngine:
             self._wait_caller()
             timer[0].record(self.stream)
             try:
-                dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, self.stream)
+                self._copy_pairs(d2h, pairs)
                 for event in {id(e): e for e in events or ()}.values():  # every layer lands with the last page
                     event.record(self.stream)
             finally:
                 timer[1].record(self.stream)
             ticket.event, ticket.stream = timer[1], self.stream
         else:
-            dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, None)
+            self._copy_pairs(d2h, pairs)
             ticket.timings.service_s = time.perf_counter() - t
         fault = self.faults.take("write" if d2h else "read", ("fail", "slow"))
         ticket.bind(self._checker(ticket, timer, fault.kind if fault else None, fault.delay_s if fault else 0.0))
@@ -1154,17 +1194,28 @@ class TransferEngine:
             copies.append((host, ring, nbytes) if to_l2 else (ring, host, nbytes))
         dma.copy_batch(copies, torch.cuda.current_stream() if self.cuda else None)
 
-    def _ring_copies(self, d2h: bool, ids: torch.Tensor, l2_pages: Sequence[int], runs: list[tuple[int, int]]) -> None:
+    def _ring_copies(
+        self,
+        d2h: bool,
+        ids: torch.Tensor,
+        l2_pages: Sequence[int],
+        runs: list[tuple[int, int]],
+        head: Callable[[], None] | None = None,
+    ) -> None:
         """Chunk by chunk through the ring (module docstring). One chunk runs on the
-        transfer stream alone; more alternate with the kernel stream."""
+        transfer stream alone; more alternate with the kernel stream. ``head`` (a D2H's first
+        pages by the copy path) is queued on the transfer stream once the kernel stream has
+        joined it: the DMAs run while the first gather is launched and runs."""
         ring = self._ring
         assert ring is not None
         n = ids.numel()
         spans = [(a, min(n, a + ring.pages)) for a in range(0, n, ring.pages)]
-        two = self.cuda and len(spans) > 1
+        two = self.cuda and (len(spans) > 1 or head is not None)
         copy, kern = self.stream, self.kernel_stream if two else self.stream
         if two:
             self._wait_join(kern, copy)
+        if head is not None:
+            head()
         k = 0
         for j, (a, b) in enumerate(spans):
             k = j % ring.count
@@ -1381,6 +1432,7 @@ class TransferEngine:
             "direct_max_bytes": self.direct_max_bytes,
             "copy": self.copy_usable,
             "copy_max_pages": self.copy_max_pages,
+            "ring_head_pages": self.ring_head_pages,
             "chunk_pages": self.chunk_pages,
             "chunks": self.chunks,
             "chunk_bytes": self.chunk_pages * bpp,

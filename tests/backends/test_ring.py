@@ -94,6 +94,39 @@ def test_transfers_larger_than_the_ring_are_bit_exact(chunk_pages: int, chunks: 
     assert eng.status()["workspace_device_bytes"] == chunk_pages * chunks * l1.geometry.bytes_per_page
 
 
+@pytest.mark.parametrize("fragmented", [False, True], ids=["consecutive", "fragmented"])
+@pytest.mark.parametrize(("head", "chunk_pages"), [(1, 2), (2, 2), (3, 4), (4, 3)])
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 8, 9, 23])
+def test_a_d2h_moves_its_head_by_the_copy_path_and_the_rest_through_the_ring(
+    monkeypatch: pytest.MonkeyPatch, head: int, chunk_pages: int, n: int, fragmented: bool
+) -> None:
+    """A ring D2H of at least twice ``ring_head_pages`` pages moves its first pages as the
+    copy path does (one strided DMA per page, started while the ring's first gather is
+    launched) and the rest through the ring; shorter ones go through the ring whole. The
+    round trip is exact either way, and the split is exactly the first pages."""
+    from hicache.backends import dma
+
+    copied: list[list[tuple[int, int]]] = []
+    real = dma.copy_pages
+
+    def recorded(*args: Any) -> None:
+        copied.append(list(args[8]))
+        real(*args)
+
+    monkeypatch.setattr(dma, "copy_pages", recorded)
+    l1, l2 = pools(seed=n + head)
+    eng = engine(l1, l2, chunk_pages, 3, ring_head_pages=head)
+    rng = random.Random(n * 7 + head)
+    src = rng.sample(range(l1.num_pages), n)
+    l2_pages = rng.sample(range(l2.num_pages), n) if fragmented else list(range(1, 1 + n))
+    want = l1_rows(l1, src)
+    assert eng.d2h(src, l2_pages).wait()
+    assert torch.equal(l2.slabs[l2_pages], want)
+    assert copied == ([list(zip(l2_pages[:head], src[:head], strict=True))] if n >= 2 * head else [])
+    assert eng.paths["ring"] == 1
+    round_trip(eng, n, fragmented, seed=n + 5)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="CPU pools need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("fragmented", [False, True], ids=["consecutive", "fragmented"])
 def test_the_ring_on_triton_kernels_is_bit_exact(fragmented: bool) -> None:
@@ -110,13 +143,15 @@ def test_the_ring_on_triton_kernels_is_bit_exact(fragmented: bool) -> None:
     n=st.integers(1, 24),
     fragmented=st.booleans(),
     seed=st.integers(0, 2**16),
+    head=st.integers(0, 5),
 )
 def test_any_ring_moves_any_transfer_exactly(
-    chunk_pages: int, chunks: int, n: int, fragmented: bool, seed: int
+    chunk_pages: int, chunks: int, n: int, fragmented: bool, seed: int, head: int
 ) -> None:
-    """Property: whatever the ring's shape and the transfer's size, a round trip is exact."""
+    """Property: whatever the ring's shape, its D2H head and the transfer's size, a round
+    trip is exact."""
     l1, l2 = pools(seed=seed % 7)
-    round_trip(engine(l1, l2, chunk_pages, chunks), n, fragmented, seed)
+    round_trip(engine(l1, l2, chunk_pages, chunks, ring_head_pages=head), n, fragmented, seed)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU pools need TRITON_INTERPRET=1")
