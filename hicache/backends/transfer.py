@@ -112,10 +112,12 @@ DIRECT_MAX_BYTES = 16 << 20
 COPY_MAX_PAGES = 32
 # A D2H through the ring moves its first RING_HEAD_PAGES pages as the copy path does (one
 # strided DMA per page, no ids, no kernel): the copy engine starts on them while the host
-# uploads the page ids and launches the first gather, which it otherwise waited for
-# (~0.1 ms of a 3 ms transfer of 64 pages). Enough pages to outlast that: a page of
-# Qwen3-8B takes ~45 us to copy.
-RING_HEAD_PAGES = 4
+# uploads the page ids and launches the first gather, which it otherwise waited for. Enough
+# pages to outlast that on a slow host (a page of Qwen3-8B takes ~45 us to copy): 64 pages
+# went from 0.857 / 0.825 of a plain copy (consecutive / fragmented L2) to 0.878 / 0.841
+# with 2, 0.903 / 0.865 with 4 and 0.909 / 0.901 with 8 on one H200 host
+# (bench/probes/ring_head.py, docs/RESULTS.md).
+RING_HEAD_PAGES = 8
 # A layered H2D of at most STRAIGHT_MAX_PAGES pages whose pages form at most STRAIGHT_RUNS
 # runs in both pools goes straight into L1: 2 x layers strided DMAs per run (rows of one
 # page-layer, 32 KiB for Qwen3-8B), no ring and no scatter; beyond STRAIGHT_RUNS the DMA
