@@ -2,7 +2,7 @@
 
 Qwen3-8B page geometry (2.25 MiB pages), L1 pages every other page of the pool as in
 ``bench/transfer.py``. For each size and L2 layout (consecutive, every other page), engines
-with ``ring_head_pages`` 0 (the ring alone), 2, 4 and 8 take turns, sample by sample, so a
+with ``ring_head_pages`` 0 (the ring alone), 4, 8 and 16 take turns, sample by sample, so a
 drifting host speed falls on all of them alike; each figure is the median wall time of a
 D2H (call to completed ticket) as a ratio to a plain pinned copy of the same bytes measured
 in the same loop. Also checks the pages each engine wrote (bit-exact against L1).
@@ -25,7 +25,7 @@ from transfer import QWEN3_8B, random_pools
 
 from hicache.backends.transfer import TransferEngine
 
-HEADS = (0, 2, 4, 8)
+HEADS = (0, 4, 8, 16)
 
 
 def main() -> None:
