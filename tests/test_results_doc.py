@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "RESULTS.md"
 RESULTS = ROOT / "bench" / "results"
 
-TRANSFER = "transfer-2026-12-02-h200.json"
+TRANSFER = "transfer-2026-12-03-h200.json"
 LATENCY = "bench_hicache-qwen3-8b-2026-12-03-h200-quick.json"
 LONG = "bench_hicache-qwen3-8b-2026-12-03-h200-long.json"
 ROWS = "bench_hicache-qwen3-8b-2026-12-02-h200-quick-rows.json"
