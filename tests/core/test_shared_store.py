@@ -145,3 +145,63 @@ def test_different_models_never_share_pages() -> None:
     b.release(req)
     a.close()
     b.close()
+
+
+class _Junk(MemoryStore):
+    """A store whose answers are not what the protocol says, one way per ``mode``."""
+
+    mode = ""
+
+    def plan(self, op: str, host_pages: object, slots: list[int]) -> tuple[list[tuple[int, int]], int]:  # type: ignore[override]
+        if self.mode == "plan empty":
+            return [], 0
+        if self.mode == "plan partial" and len(slots) > 1:
+            return [(0, 1)], 1
+        if self.mode == "plan backwards" and len(slots) > 1:
+            return [(1, len(slots)), (0, 1)], 2
+        return super().plan(op, host_pages, slots)  # type: ignore[arg-type]
+
+    def put(self, host_pages: list[int], slots: list[int], keys: list[bytes] | None) -> list[object]:  # type: ignore[override]
+        out = super().put(host_pages, slots, keys)
+        return ["OK"] * len(out) if self.mode == "put strings" else list(out)
+
+    def get(self, host_pages: list[int], slots: list[int], keys: list[bytes] | None) -> list[object]:  # type: ignore[override]
+        out = super().get(host_pages, slots, keys)
+        return [99] * len(out) if self.mode == "get numbers" else list(out)
+
+
+@pytest.mark.parametrize("mode", ["put strings", "get numbers", "plan empty", "plan partial", "plan backwards"])
+def test_a_store_answering_junk_fails_its_requests_and_keeps_every_io_thread(mode: str) -> None:
+    """Statuses that are no PageStatus or a plan that does not cover the pages in order fail
+    that request (its prompt recomputes); they used to raise on an I/O thread and end it, and
+    with all four ended every L3 request ran to its deadline for the cache's life."""
+    import threading
+
+    def build(host: HostPool) -> MemoryStore:
+        s = _Junk(host)
+        s.mode = mode
+        return s
+
+    cfg = HiCacheConfig(
+        G, l1_pages=4, l2_pages=4, l3_pages=32, policy="always", device="cpu", model_id=MODEL, storage_deadline_s=60.0
+    )
+    c = HiCache(cfg, store=build)
+
+    def l3_threads() -> int:
+        return sum(1 for t in threading.enumerate() if t.name.startswith("hicache-l3"))
+
+    before = l3_threads()
+    prompts = [[100 * k + j for j in range(2 * G.page_size)] for k in range(6)]
+    for k, tokens in enumerate(prompts):  # each pushes older ones out of L1 and L2: L3 writes
+        compute(c, tokens, seed=k)
+        c.drain()
+    for tokens in prompts[:3]:  # in L3 alone (if written): reads
+        again = c.admit([*tokens[: G.page_size], 9, 9])
+        c.restore(again)
+        c.release(again)
+        c.drain()
+        c.check_integrity()
+    assert l3_threads() == before > 0
+    storage = c.status().storage
+    assert storage is not None and storage["failed"] > 0
+    c.close()

@@ -383,10 +383,13 @@ class StoreMover:
             _, _, job, chunk = self._queue.get()
             if job is None:
                 return
-            if chunk < 0:
-                self._plan(job)
-            else:
-                self._run(job, chunk)
+            try:
+                if chunk < 0:
+                    self._plan(job)
+                else:
+                    self._run(job, chunk)
+            except Exception:  # a bug: the thread goes on (its death left L3 to its deadlines)
+                log.exception("hicache L3: an I/O thread's %s job raised", job.op)
 
     def _plan(self, job: _Job) -> None:
         if job.expired:
@@ -396,6 +399,7 @@ class StoreMover:
             return
         try:
             chunks, extents = self.store.plan(job.op, job.hp, job.sl)
+            _check_chunks(chunks, len(job.sl))
         except Exception as exc:
             chunks, extents = [(0, len(job.sl))], 0
             with self._lock:
@@ -433,6 +437,7 @@ class StoreMover:
                 statuses = self.store.get(job.hp[a:b], job.sl[a:b], keys)
             if len(statuses) != b - a:
                 raise RuntimeError(f"store returned {len(statuses)} statuses for {b - a} pages")
+            statuses = [PageStatus(x) for x in statuses]  # a value that is none: a failed chunk
         except Exception as exc:  # an OSError or an unexpected error: never success
             statuses = [PageStatus.FAILED] * (b - a)
             error = f"{job.op} failed: {type(exc).__name__}: {exc}"
@@ -599,3 +604,19 @@ def check_mover_config(
             continue
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
             raise ConfigError(f"{name} must be a finite non-negative number, got {x!r}")
+
+
+def _check_chunks(chunks: object, n: int) -> None:
+    """Raise ValueError unless ``chunks`` (a store's plan) are ``(a, b)`` int pairs that cover
+    ``[0, n)`` in order, each non-empty: a run of a job over anything else would index pages
+    it does not have, or leave some never done."""
+    at = 0
+    for chunk in chunks if isinstance(chunks, (list, tuple)) else ():
+        a, b = chunk
+        if type(a) is not int or type(b) is not int or a != at or b <= a:
+            break
+        at = b
+    else:
+        if at == n and n > 0 and isinstance(chunks, (list, tuple)):
+            return
+    raise ValueError(f"the store's plan {chunks!r:.200} does not cover pages 0..{n - 1} in order")
