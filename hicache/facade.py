@@ -35,6 +35,9 @@ from hicache.errors import ConfigError, MisuseError
 # Storage I/O threads: each is a blocking reader or writer; more than this only adds threads
 # (a typo such as 10**9 would otherwise try to start them all).
 MAX_STORAGE_WORKERS = 256
+# Longer deadlines are forever in practice, and past threading.TIMEOUT_MAX (~9.2e9 s) a
+# wait on one raised OverflowError in drain().
+MAX_DEADLINE_S = 1e9
 
 
 _STORE_MEMBERS = ("kind", "keyed", "shared", "remote", "plan", "put", "get", "exists", "available", "close", "status")
@@ -112,9 +115,12 @@ class HiCacheConfig:
             raise ConfigError(f"storage_extra must be a mapping or None, got {self.storage_extra!r}")
         deadline = self.storage_deadline_s
         if deadline is not None and (
-            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < float("inf")
+            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline <= MAX_DEADLINE_S
         ):
-            raise ConfigError(f"storage_deadline_s must be a positive number of seconds or None, got {deadline!r}")
+            raise ConfigError(
+                f"storage_deadline_s must be a positive number of seconds up to {MAX_DEADLINE_S:.0f} or None, "
+                f"got {deadline!r:.60}"
+            )
         if not isinstance(self.model_id, str):
             raise ConfigError(f"model_id must be a str, got {self.model_id!r}")
         if self.l3_pages and self.storage_backend != "file" and not self.model_id:
@@ -129,7 +135,7 @@ class HiCacheConfig:
             raise ConfigError(f"priors must be a CostPriors, got {self.priors!r}")
         try:
             dev = torch.device(self.device)
-        except (RuntimeError, TypeError):
+        except (RuntimeError, TypeError, ValueError, OverflowError):
             raise ConfigError(f"device must be a torch device such as 'cpu' or 'cuda', got {self.device!r}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r}: this torch build has no usable CUDA device")

@@ -185,8 +185,8 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         ),
         (
             ["--enable-hicache", "--hicache-prior-recompute-us", "1e-320"],
-            "error: --hicache-prior-recompute-us 9.99989e-321: cost prior recompute_s_per_token must be positive, "
-            "got 0.0",
+            "error: --hicache-prior-recompute-us 9.99989e-321: cost prior recompute_s_per_token must be a positive "
+            "number up to 1e300, got 0.0",
         ),
         (
             ["--enable-hicache", "--disable-hicache-prefetch", "--hicache-layered-restore", "on"],

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import Counter
@@ -430,9 +429,9 @@ class Controller:
         self._enter()
         _check_seconds("note_decode", seconds)
         if ended is not None and (
-            isinstance(ended, bool) or not isinstance(ended, (int, float)) or not math.isfinite(ended)
+            isinstance(ended, bool) or not isinstance(ended, (int, float)) or not abs(ended) < 1e300
         ):
-            raise MisuseError(f"note_decode: ended must be a finite time.perf_counter() value, got {ended!r}")
+            raise MisuseError(f"note_decode: ended must be a finite time.perf_counter() value, got {ended!r:.60}")
         for r in {id(j.restore): j.restore for j in self._jobs.values() if j.restore is not None}.values():
             if r is not None:
                 part = seconds if ended is None else min(seconds, max(0.0, ended - r.started))
@@ -958,6 +957,12 @@ def check_selective_hits(value: object) -> None:
         raise ConfigError(f"selective_hits must be an int >= 1, got {value!r}")
 
 
+# A timing a model may learn from: a day. Past it nothing is a prefill or a decode batch, and
+# timings near the float range made the cost model's fits overflow to NaN (one sample spoiled
+# every plan until its window had turned over).
+MAX_SECONDS = 86_400.0
+
+
 def _check_seconds(call: str, seconds: object) -> None:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
-        raise MisuseError(f"{call}: seconds must be a finite number >= 0, got {seconds!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_SECONDS:
+        raise MisuseError(f"{call}: seconds must be a number in [0, {MAX_SECONDS:.0f}], got {seconds!r:.60}")

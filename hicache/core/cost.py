@@ -158,6 +158,9 @@ class AffineCost:
         }
 
 
+_MAX_PRIOR = 1e300
+
+
 @dataclass(frozen=True, slots=True)
 class CostPriors:
     """Priors of the model (configurable): recompute 50 µs/token, host 12 GiB/s, storage
@@ -176,8 +179,9 @@ class CostPriors:
             raise ConfigError(f"cost prior explore must be an int >= 0, got {self.explore!r}")
         for name in ("recompute_s_per_token", "host_gib_s", "storage_read_gib_s", "storage_write_gib_s", "margin"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"cost prior {name} must be positive, got {value!r}")
+            # NOTE: a finite float's range: an int past it overflowed when the model was built
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _MAX_PRIOR:
+                raise ConfigError(f"cost prior {name} must be a positive number up to 1e300, got {value!r:.60}")
 
 
 @dataclass(frozen=True, slots=True)

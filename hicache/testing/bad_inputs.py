@@ -20,7 +20,7 @@ from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.storage import StorageBackend, StorageFile
 from hicache.backends.transfer import TransferEngine
 from hicache.core.cache import CacheCore
-from hicache.core.cost import Plan
+from hicache.core.cost import CostPriors, Plan
 from hicache.core.geometry import DevicePage, KVGeometry, TierSizes
 from hicache.errors import (
     ConfigError,
@@ -244,6 +244,43 @@ def catalogue() -> list[BadInput]:
             "free",
         ),
         BadInput(
+            "storage",
+            "a deadline past what a wait can take (drain raised OverflowError)",
+            lambda: HiCacheConfig(G, l1_pages=4, l2_pages=4, l3_pages=4, storage_deadline_s=1e300),
+            ConfigError,
+            "up to 1000000000",
+        ),
+        BadInput(
+            "storage",
+            "extra config with keys of mixed types",
+            lambda: HiCache(
+                HiCacheConfig(G, l1_pages=4, l2_pages=4, l3_pages=4, storage_extra=cast(Any, {1: 1, "a": 2}))
+            ),
+            ConfigError,
+            "no extra config",
+        ),
+        BadInput(
+            "names",
+            "a cost prior past the float range",
+            lambda: CostPriors(host_gib_s=10**400),
+            ConfigError,
+            "up to 1e300",
+        ),
+        BadInput(
+            "names",
+            "a bool as a cost prior",
+            lambda: CostPriors(margin=True),
+            ConfigError,
+            "margin",
+        ),
+        BadInput(
+            "names",
+            "a device number past int64",
+            lambda: HiCacheConfig(G, l1_pages=4, device=cast(Any, 10**30)),
+            ConfigError,
+            "device must be",
+        ),
+        BadInput(
             "names",
             "unknown policy",
             lambda: HiCacheConfig(G, l1_pages=4, policy="sometimes"),
@@ -400,6 +437,22 @@ def catalogue() -> list[BadInput]:
             "requests",
             "note_decode with a NaN end time",
             lambda: cache.note_decode(1.0, ended=float("nan")),
+            MisuseError,
+            "ended must be a finite",
+            state,
+        ),
+        BadInput(
+            "requests",
+            "observe_prefill with 1e308 seconds (the cost model's fits overflowed to NaN)",
+            lambda: cache.observe_prefill(4, 1e308),
+            MisuseError,
+            "[0, 86400]",
+            state,
+        ),
+        BadInput(
+            "requests",
+            "note_decode with an end time past the float range",
+            lambda: cache.note_decode(1.0, ended=10**400),
             MisuseError,
             "ended must be a finite",
             state,

@@ -25,12 +25,15 @@ _PLAN_L2 = Plan(Tier.L2, 4, 1.0, 0.1, 1.1)
 _REFUSALS: list[tuple[str, Callable[[Controller, Request], object]]] = [
     (r"^observe_prefill: tokens must be an int > 0, got 0$", lambda c, req: c.observe_prefill(0, 1.0)),
     (r"^observe_prefill: tokens must be an int > 0, got True$", lambda c, req: c.observe_prefill(True, 1.0)),
-    (r"^observe_prefill: seconds must be a finite number >= 0, got -1\.0$", lambda c, req: c.observe_prefill(4, -1.0)),
     (
-        r"^observe_prefill: seconds must be a finite number >= 0, got nan$",
+        r"^observe_prefill: seconds must be a number in \[0, 86400\], got -1\.0$",
+        lambda c, req: c.observe_prefill(4, -1.0),
+    ),
+    (
+        r"^observe_prefill: seconds must be a number in \[0, 86400\], got nan$",
         lambda c, req: c.observe_prefill(4, float("nan")),
     ),
-    (r"^note_decode: seconds must be a finite number >= 0, got '1'$", lambda c, req: c.note_decode("1")),  # type: ignore[arg-type]
+    (r"^note_decode: seconds must be a number in \[0, 86400\], got '1'$", lambda c, req: c.note_decode("1")),  # type: ignore[arg-type]
     (r"^allocate: page count must be an int >= 0, got -1$", lambda c, req: c.allocate(req, -1)),
     (
         rf"^start_restore: {re.escape(str(_PLAN_L2))} does not fit request #1 \(hits \(0, 0, 0\)\)$",

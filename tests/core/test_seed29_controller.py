@@ -21,7 +21,7 @@ from tests.core.test_seed28_controller import _finish_queued, _prefill
 
 _REFUSALS: list[tuple[str, Callable[[Controller, object], object]]] = [
     (r"^insert: pages must be a sequence of page ids, got int$", lambda c, req: c.insert(req, 5)),  # type: ignore[arg-type]
-    (r"^note_decode: seconds must be a finite number >= 0, got -1\.0$", lambda c, req: c.note_decode(-1.0)),
+    (r"^note_decode: seconds must be a number in \[0, 86400\], got -1\.0$", lambda c, req: c.note_decode(-1.0)),
     (
         r"^start_restore: plan must be a Plan from plan\(\), got str$",
         lambda c, req: c.start_restore(req, "L2"),  # type: ignore[arg-type]

@@ -73,7 +73,7 @@ def open_storage(
     opener: Callable[[], PageStore]
     if kind == "file":
         if options:
-            raise ConfigError(f"the file store takes no extra config, got {sorted(options)}")
+            raise ConfigError(f"the file store takes no extra config, got {sorted(options, key=repr)}")
         from hicache.backends.stores.file import FileStore, StorageFile
 
         def opener() -> PageStore:
@@ -85,7 +85,7 @@ def open_storage(
             raise ConfigError("the dir store needs a path (a directory)")
         if direct:
             raise ConfigError("direct I/O is for the file store only")
-        unknown = sorted(set(options) - set(DIR_OPTIONS))
+        unknown = sorted(set(options) - set(DIR_OPTIONS), key=repr)
         if unknown:
             raise ConfigError(f"dir extra config: unknown keys {unknown}; known: {list(DIR_OPTIONS)}")
         fsync = options.get("fsync", True)

@@ -101,7 +101,7 @@ class MooncakeConfig:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> MooncakeConfig:
         """Validate SGLang-style extra config; every problem is a ConfigError."""
-        unknown = sorted(set(extra) - set(cls.KEYS))
+        unknown = sorted(set(extra) - set(cls.KEYS), key=repr)
         if unknown:
             raise ConfigError(f"mooncake extra config: unknown keys {unknown}; known: {list(cls.KEYS)}")
         if "master_server_address" not in extra:

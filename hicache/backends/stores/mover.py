@@ -581,6 +581,9 @@ def _check_keys(keys: Sequence[bytes], n: int) -> None:
         raise MisuseError(f"keys must be {KEY_BYTES}-byte bytes (hicache.core.keys.page_keys)")
 
 
+_MAX_WAIT_S = 1e9
+
+
 def check_mover_config(
     slots: int,
     workers: int,
@@ -602,8 +605,9 @@ def check_mover_config(
     ):
         if x is None and name == "deadline_s":
             continue
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
-            raise ConfigError(f"{name} must be a finite non-negative number, got {x!r}")
+        # NOTE: waits on these time out through threading, which refuses more than TIMEOUT_MAX
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= _MAX_WAIT_S:
+            raise ConfigError(f"{name} must be a non-negative number of seconds up to 1e9, got {x!r:.60}")
 
 
 def _check_chunks(chunks: object, n: int) -> None:
