@@ -4,7 +4,9 @@ and a :class:`~hicache.core.controller.Controller`, and forwards the engine's ca
 
 from __future__ import annotations
 
+import contextlib
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,6 +184,7 @@ class HiCache:
         g = config.geometry
         if l1_buffer is not None:
             _check_l1_buffer(config, l1_buffer)
+            _check_not_shared(l1_buffer)
         self.config = config
         self.faults = FaultInjector()
         try:
@@ -207,46 +210,54 @@ class HiCache:
         if config.l2_pages:
             self.device.prepare()  # one-time setup here, not in a live request's restore
         storage: StoreMover | None = None
-        if config.l3_pages and store is not None:
-            custom = _custom_store(store, self.l2)
-            if custom.keyed and not config.model_id:
-                raise ConfigError("a keyed store names pages by content: set config.model_id")
-            storage = StoreMover(
-                custom,
-                self.l2,
-                slots=config.l3_pages,
-                workers=config.storage_workers,
-                deadline_s=config.storage_deadline_s,
-                faults=self.faults,
+        custom: PageStore | None = None
+        try:  # NOTE: a refusal past opening the store closes it (its threads, files and lock)
+            if config.l3_pages and store is not None:
+                custom = _custom_store(store, self.l2)
+                if custom.keyed and not config.model_id:
+                    raise ConfigError("a keyed store names pages by content: set config.model_id")
+                storage = StoreMover(
+                    custom,
+                    self.l2,
+                    slots=config.l3_pages,
+                    workers=config.storage_workers,
+                    deadline_s=config.storage_deadline_s,
+                    faults=self.faults,
+                )
+            elif config.l3_pages:
+                storage = open_storage(
+                    config.storage_backend,
+                    g,
+                    self.l2,
+                    slots=config.l3_pages,
+                    path=config.storage_path,
+                    extra=config.storage_extra,
+                    workers=config.storage_workers,
+                    checksums=config.checksums,
+                    direct=config.storage_direct,
+                    faults=self.faults,
+                    deadline_s=config.storage_deadline_s,
+                )
+            self.storage = storage
+            self.core = CacheCore(
+                g.page_size, TierSizes(config.l1_pages, config.l2_pages, config.l3_pages), tracing=config.tracing
             )
-        elif config.l3_pages:
-            storage = open_storage(
-                config.storage_backend,
-                g,
-                self.l2,
-                slots=config.l3_pages,
-                path=config.storage_path,
-                extra=config.storage_extra,
-                workers=config.storage_workers,
-                checksums=config.checksums,
-                direct=config.storage_direct,
-                faults=self.faults,
-                deadline_s=config.storage_deadline_s,
+            self.controller = Controller(
+                self.core,
+                self.device,
+                storage,
+                CostModel(g.bytes_per_token, config.priors, config.policy),
+                write_policy=config.write_policy,
+                selective_hits=config.selective_hits,
+                verifier=DigestVerifier(self.l1, self.l2) if config.verify_pages else None,
+                key_seed=format_seed(config.model_id, g) if config.model_id else None,
             )
-        self.storage = storage
-        self.core = CacheCore(
-            g.page_size, TierSizes(config.l1_pages, config.l2_pages, config.l3_pages), tracing=config.tracing
-        )
-        self.controller = Controller(
-            self.core,
-            self.device,
-            storage,
-            CostModel(g.bytes_per_token, config.priors, config.policy),
-            write_policy=config.write_policy,
-            selective_hits=config.selective_hits,
-            verifier=DigestVerifier(self.l1, self.l2) if config.verify_pages else None,
-            key_seed=format_seed(config.model_id, g) if config.model_id else None,
-        )
+        except BaseException:
+            _close_quietly(storage if storage is not None else custom)
+            raise
+        if l1_buffer is not None:
+            _LIVE_L1[id(self)] = _extent(l1_buffer)
+            weakref.finalize(self, _LIVE_L1.pop, id(self), None)
 
     # -- the controller's calls ------------------------------------------------------------
 
@@ -335,6 +346,7 @@ class HiCache:
     def close(self) -> None:
         """Drain transfers, release every request, close storage. Idempotent."""
         self.controller.close()
+        _LIVE_L1.pop(id(self), None)
 
     def __enter__(self) -> HiCache:
         if self.closed:
@@ -343,6 +355,34 @@ class HiCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# The memory of the L1 buffers given to live caches: two caches over one pool hand out the
+# same pages and read each other's KV.
+_LIVE_L1: dict[int, tuple[str, int, int]] = {}
+
+
+def _extent(buffer: torch.Tensor) -> tuple[str, int, int]:
+    """The device and byte range of ``buffer`` (contiguous: checked before)."""
+    start = buffer.data_ptr()
+    return str(buffer.device), start, start + buffer.numel() * buffer.element_size()
+
+
+def _check_not_shared(buffer: torch.Tensor) -> None:
+    device, lo, hi = _extent(buffer)
+    if any(d == device and lo < b and a < hi for d, a, b in _LIVE_L1.values()):
+        raise ConfigError(
+            "l1_buffer shares memory with the L1 pool of another open HiCache: each cache needs a pool "
+            "of its own (both would hand out the same pages)"
+        )
+
+
+def _close_quietly(store: object) -> None:
+    close = getattr(store, "close", None)
+    if close is None:
+        return
+    with contextlib.suppress(Exception):  # NOTE: the refusal being raised says more than this
+        close()
 
 
 def _first_line(exc: BaseException) -> str:

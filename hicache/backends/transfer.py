@@ -86,7 +86,7 @@ from hicache.backends import dma, kernels
 from hicache.backends.faults import FaultInjector
 from hicache.backends.pools import DevicePool, HostPool, PageFences, PagesInFlightError, check_pages, coalesce
 from hicache.backends.ticket import Ticket
-from hicache.errors import ConfigError, PageOwnershipError
+from hicache.errors import ConfigError, MisuseError, PageOwnershipError
 from hicache.spec.model import Direction
 
 log = logging.getLogger(__name__)
@@ -382,6 +382,8 @@ class TransferEngine:
         self.geometry = g = l1.geometry
         self.bytes_per_page = g.bytes_per_page
         self._slab = g.page_elements * l1.buffer.element_size()  # one layer's K (or V) of a page
+        storage = l1.buffer.untyped_storage()
+        self._l1_memory = (storage.data_ptr(), storage.nbytes())
         self.requested = backend
         self.cuda = l1.device.type == "cuda"
         self.triton_usable = kernels.HAVE_TRITON and (self.cuda or os.environ.get("TRITON_INTERPRET") == "1")
@@ -677,6 +679,11 @@ class TransferEngine:
         self, direction: Direction, src: Sequence[int], dst: Sequence[int], events: Sequence[Any] | None = None
     ) -> DeviceTicket:
         t0 = time.perf_counter()
+        storage = self.l1.buffer.untyped_storage()
+        if (storage.data_ptr(), storage.nbytes()) != self._l1_memory:
+            # NOTE: the engine freed or resized its KV pool under the cache: copies into the
+            # addresses it had would write freed memory (a crash at best)
+            raise MisuseError("the L1 pool's memory was freed or moved since the cache was made over it")
         if len(src) != len(dst):
             raise PageOwnershipError(f"{direction.name}: {len(src)} source pages for {len(dst)} destinations")
         d2h = direction is Direction.D2H

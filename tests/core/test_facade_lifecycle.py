@@ -1,0 +1,78 @@
+"""The facade's hold on what it is given: an L1 pool another open cache uses is refused, a
+pool freed under the cache is a typed error at the next copy (not a crash), and a refusal
+past opening the L3 store closes the store."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hicache import HiCache, HiCacheConfig
+from hicache.backends.pools import HostPool, l1_shape
+from hicache.core.geometry import KVGeometry
+from hicache.errors import ConfigError, MisuseError
+from hicache.testing.memory_store import MemoryStore
+
+G = KVGeometry(2, 1, 4, 2, torch.float32)
+
+
+def config(**kw: object) -> HiCacheConfig:
+    args: dict[str, object] = dict(geometry=G, l1_pages=4, l2_pages=16, device="cpu")
+    args.update(kw)
+    return HiCacheConfig(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("second", ["the same tensor", "an overlapping view"])
+def test_an_l1_pool_another_open_cache_uses_is_refused(second: str) -> None:
+    """Two caches over one pool handed out the same pages and read each other's KV; once the
+    first is closed, the pool may be given to another."""
+    shape = l1_shape(G, 4)
+    n = torch.Size(shape).numel()
+    memory = torch.zeros(2 * n)
+    buf = memory[:n].view(shape)
+    a = HiCache(config(), buf)
+    other = buf if second == "the same tensor" else memory[n // 2 : n // 2 + n].view(shape)
+    with pytest.raises(ConfigError, match="shares memory with the L1 pool of another open HiCache"):
+        HiCache(config(), other)
+    HiCache(config(), torch.zeros(l1_shape(G, 4))).close()  # a pool of its own is fine
+    HiCache(config(), memory[n:].view(shape)).close()  # and so is the rest of the same memory
+    a.close()
+    b = HiCache(config(), buf)
+    b.close()
+
+
+def test_a_pool_freed_under_the_cache_is_a_typed_error_at_the_next_copy() -> None:
+    """The engine frees its KV pool (``untyped_storage().resize_(0)``): the next copy out of it
+    raises MisuseError naming that, where it wrote freed memory (a segfault on CPU)."""
+    buf = torch.zeros(l1_shape(G, 4))
+    c = HiCache(config(), buf)
+    req = c.admit([1, 2, 3, 4, 5])
+    pages = c.allocate(req, 2)
+    assert pages is not None
+    buf.untyped_storage().resize_(0)
+    with pytest.raises(MisuseError, match="L1 pool's memory was freed or moved"):
+        c.insert(req, pages)  # its write-through backup copies out of L1
+
+
+def test_a_refusal_after_the_store_was_opened_closes_the_store() -> None:
+    """A keyed store without a model id is refused after the store was made: the store is
+    closed (it kept its resources for the life of the process)."""
+    made: list[MemoryStore] = []
+    closed: list[MemoryStore] = []
+
+    class Store(MemoryStore):
+        def close(self) -> None:
+            closed.append(self)
+            super().close()
+
+    def build(host: HostPool) -> MemoryStore:
+        made.append(Store(host))
+        return made[-1]
+
+    threads = threading.active_count()
+    with pytest.raises(ConfigError, match="model_id"):
+        HiCache(config(l3_pages=8), store=build)
+    assert len(made) == 1 and closed == made
+    assert threading.active_count() == threads
