@@ -43,6 +43,8 @@ class MetricsServer:
 
     def publish(self, text: str) -> None:
         """Make ``text`` what the next scrape returns."""
+        if not isinstance(text, str):
+            raise MisuseError(f"publish takes the exposition text (a str, as prometheus() returns), got {text!r:.60}")
         data = text.encode()
         with self._lock:
             self._text = data
@@ -59,16 +61,23 @@ class MetricsServer:
         latest = self._latest
 
         class Handler(BaseHTTPRequestHandler):
+            # NOTE: a client that never finishes its request frees its thread after this long
+            # (one held it past stop(), then answered into a closed socket)
+            timeout = 5.0
+
             def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404, "only /metrics is served")
                     return
                 body = latest()
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the scraper left: nothing to tell it
 
             def log_message(self, format: str, *args: object) -> None:
                 pass  # a scrape every few seconds would flood stderr

@@ -195,3 +195,14 @@ def test_histogram_keeps_counts_that_fit() -> None:
     h = Histogram((0.1, 1.0), [1, 0, 2])
     h.observe(0.5)
     assert h.counts == [1, 1, 2] and h.cumulative() == [("0.1", 1.0), ("1.0", 2.0), ("+Inf", 4.0)]
+
+
+@pytest.mark.parametrize("text", [b"hicache_x 1\n", None, 3])
+def test_publish_takes_only_the_exposition_text(text: object) -> None:
+    """Bytes or None were an AttributeError from inside publish; now a MisuseError, and the
+    text served before stays."""
+    server = MetricsServer()
+    server.publish("a 1\n")
+    with pytest.raises(MisuseError, match="publish takes the exposition text"):
+        server.publish(text)  # type: ignore[arg-type]
+    assert server._latest() == b"a 1\n"
