@@ -56,6 +56,7 @@ from hicache.testing.fake_backend import page_tag
 from hicache.testing.memory_store import MemoryStore
 
 G = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype=torch.float32)
+_PAGE_ELEMENTS = 2 * G.num_layers * G.page_size * G.num_kv_heads * G.head_dim
 SIZES = [(8, 6, 10), (5, 6, 8), (4, 4, 0), (6, 3, 6)]  # (L1, L2, L3) pages
 POLICIES = ["write_through", "write_through_selective", "write_back"]
 
@@ -119,8 +120,22 @@ def _note(message: str) -> None:
 
 
 def tag_value(prefix: Sequence[int]) -> float:
-    """A float32-exact content value for the page ending ``prefix``."""
-    return float(page_tag(prefix) % (1 << 22) + 1)
+    """A float32-exact content value for the page ending ``prefix`` (its first element's)."""
+    return float(page_tag(prefix) % (1 << 17) * _SPAN + 1)
+
+
+# A page's elements each hold its tag plus their own position in the page, so a copy that
+# moves the right pages but the wrong layer, K for V, or tokens within a page is caught too
+# (with one value per page only the page was checked). float32-exact: < 2**24.
+_SPAN = 64
+
+
+def page_content(prefix: Sequence[int]) -> torch.Tensor:
+    """The content of the page ending ``prefix``, shaped as one page of the L1 pool
+    (``[2, layers, page_size, kv_heads, head_dim]``, also an L2 page's layout): its
+    :func:`tag_value` plus each element's index."""
+    shape = (2, G.num_layers, G.page_size, G.num_kv_heads, G.head_dim)
+    return torch.arange(_PAGE_ELEMENTS, dtype=torch.float32).view(shape) + tag_value(prefix)
 
 
 @dataclass(eq=False)
@@ -323,7 +338,7 @@ class FacadeMachine(RuleBasedStateMachine):
         if not self.scheduled:
             c.controller.device = mover
             return
-        host, dev = c.l2.page_buffer, c.l1.buffer.transpose(0, 2)
+        host, dev = c.l2.page_buffer, c.l1.buffer.transpose(0, 2)  # NOTE: poison only: page order
 
         def poison(view: torch.Tensor) -> Callable[[Sequence[int]], None]:
             def run(pages: Sequence[int]) -> None:
@@ -343,7 +358,7 @@ class FacadeMachine(RuleBasedStateMachine):
         ps = G.page_size
         for i, p in enumerate(pages):
             end = min(len(tokens), (first_page + i + 1) * ps)
-            self.c.l1.buffer[:, :, p] = tag_value(tokens[:end])
+            self.c.l1.buffer[:, :, p] = page_content(tokens[:end])
 
     def _settle(self) -> None:
         """Complete everything queued (scheduled) or wait for it (real backends)."""
@@ -364,10 +379,17 @@ class FacadeMachine(RuleBasedStateMachine):
 
     def _refused(self, req: Request, call: Callable[[], object]) -> None:
         """A call the request model refuses raises MisuseError and changes nothing."""
-        before = (req.state, req.cached_len, list(req.pages), list(req.private), self.c.status().to_dict())
+
+        def status() -> dict[str, object]:
+            out = self.c.status().to_dict()
+            if not self.scheduled:  # NOTE: real I/O threads move the store's counters meanwhile
+                out.pop("storage", None)
+            return out
+
+        before = (req.state, req.cached_len, list(req.pages), list(req.private), status())
         with pytest.raises(MisuseError):
             call()
-        after = (req.state, req.cached_len, list(req.pages), list(req.private), self.c.status().to_dict())
+        after = (req.state, req.cached_len, list(req.pages), list(req.private), status())
         assert before == after, [(k, v, after[-1][k]) for k, v in before[-1].items() if after[-1][k] != v]
 
     # -- rules -------------------------------------------------------------------------------
@@ -489,8 +511,8 @@ class FacadeMachine(RuleBasedStateMachine):
         """Another instance computed ``tokens`` and stored its pages (their content tags)."""
         assert self.store is not None
         for j, key in enumerate(self._keys(tokens)):
-            value = tag_value(tokens[: (j + 1) * G.page_size])
-            self.store.add(key, np.full(G.bytes_per_page // 4, value, dtype=np.float32).view(np.uint8))
+            content = page_content(tokens[: (j + 1) * G.page_size])
+            self.store.add(key, content.numpy().reshape(-1).view(np.uint8))
         _note(f"store gains {tokens}")
 
     def _lose(self, tokens: tuple[int, ...], page: int) -> None:
@@ -652,9 +674,9 @@ class FacadeMachine(RuleBasedStateMachine):
             pages = self.c.prefix_pages(req)
             assert len(pages) == req.cached_len // ps
             for j, p in enumerate(pages):
-                want = tag_value(req.tokens[: (j + 1) * ps])
+                want = page_content(req.tokens[: (j + 1) * ps])
                 got = self.c.l1.buffer[:, :, p]
-                assert bool((got == want).all()), f"request #{req.id} page {j} (L1 {p}) holds wrong content"
+                assert torch.equal(got, want), f"request #{req.id} page {j} (L1 {p}) holds wrong content"
 
     @invariant()
     def a_layered_restore_publishes_the_pages_it_named(self) -> None:
@@ -674,11 +696,12 @@ class FacadeMachine(RuleBasedStateMachine):
         while stack:
             node, above = stack.pop()
             full = above + node.key
-            for tier, view in ((Tier.L1, self.c.l1.buffer.transpose(0, 2)), (Tier.L2, self.c.l2.page_buffer)):
+            for tier in (Tier.L1, Tier.L2):
                 pages = node.pages[tier]
                 for j, p in enumerate(pages or ()):
-                    want = tag_value(full[: len(above) + (j + 1) * G.page_size])
-                    assert bool((view[p] == want).all()), f"{tier.name} page {p} of {node!r} holds wrong content"
+                    want = page_content(full[: len(above) + (j + 1) * G.page_size])
+                    got = self.c.l1.buffer[:, :, p] if tier is Tier.L1 else self.c.l2.page_buffer[p]
+                    assert torch.equal(got, want), f"{tier.name} page {p} of {node!r} holds wrong content"
             stack.extend((c, full) for c in node.children.values())
 
     def teardown(self) -> None:

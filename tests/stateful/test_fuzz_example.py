@@ -95,3 +95,48 @@ def test_the_cache_is_built_over_the_pool_the_machine_is_given() -> None:
     config = settings(max_examples=3, stateful_step_count=5, derandomize=True, database=None)
     run_state_machine_as_test(machines_over(l1=pool, device=mover).scheduled, settings=config)
     assert built and all(built)
+
+
+class _Rearranging:
+    """A mover that moves the right pages with their insides rearranged, one way per ``how``:
+    layers rolled, K and V swapped, or the tokens of a page reversed (each breaks attention)."""
+
+    def __init__(self, inner: DeviceMover, cache: HiCache, how: str) -> None:
+        self.inner, self.cache, self.how = inner, cache, how
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def _rearrange(self, page: torch.Tensor) -> None:  # one page: [2, layer, token, head, dim]
+        dims = {"layers": 1, "k and v": 0, "tokens": 2}[self.how]
+        page.copy_(page.roll(1, dims=dims) if self.how == "layers" else page.flip(dims))
+
+    def d2h(self, src: list[int], dst: list[int]) -> object:
+        ticket = self.inner.d2h(src, dst)
+        ticket.wait()
+        for p in dst:
+            self._rearrange(self.cache.l2.page_buffer[p])
+        return ticket
+
+    def h2d(self, src: list[int], dst: list[int], layer_events: object = None) -> object:
+        ticket = self.inner.h2d(src, dst, layer_events)  # type: ignore[arg-type]
+        ticket.wait()
+        for p in dst:
+            self._rearrange(self.cache.l1.buffer[:, :, p])
+        return ticket
+
+
+@pytest.mark.parametrize("how", ["layers", "k and v", "tokens"])
+def test_a_mover_that_rearranges_a_page_is_caught(how: str) -> None:
+    """Each element of a test page holds its tag plus its position: a copy of the right pages
+    with the wrong layer, K for V, or tokens out of order fails the content check (with one
+    value per page it passed every check)."""
+    example = _example()
+
+    def mover(cache: HiCache) -> DeviceMover:
+        return _Rearranging(example.my_mover(cache), cache, how)  # type: ignore[return-value]
+
+    cls = machines_over(l1=example.my_l1, device=mover).scheduled
+    config = settings(max_examples=20, stateful_step_count=40, derandomize=True, database=None, phases=QUICK)
+    with pytest.raises(AssertionError, match="holds wrong content"):
+        run_state_machine_as_test(cls, settings=config)
