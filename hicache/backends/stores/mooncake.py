@@ -50,19 +50,31 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
+# The most a size may be: Mooncake's setup takes them as uint64 and larger ones raised a
+# TypeError from it, or a MemoryError from C++ for the local buffer (allocated at setup).
+MAX_SIZE = 1 << 50  # 1 PiB
+
+
 def parse_size(name: str, value: object) -> int:
-    """Bytes from an int or a string such as ``"4gb"``, ``"512 MB"``, ``"1GiB"`` (binary units)."""
+    """Bytes from an int or a string such as ``"4gb"``, ``"512 MB"``, ``"1GiB"`` (binary
+    units), at most :data:`MAX_SIZE`."""
     if isinstance(value, bool):
         raise ConfigError(f"mooncake {name} must be a size, got {value!r}")
+    size = None
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"mooncake {name} must be >= 0, got {value}")
-        return value
-    if isinstance(value, str):
+        size = value
+    elif isinstance(value, str):
         m = _SIZE.match(value)
         if m:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()[:1].rstrip("b")])
-    raise ConfigError(f"mooncake {name} must be a byte count or a size like '4gb', got {value!r}")
+            scaled = float(m.group(1)) * _UNITS[m.group(2).lower()[:1].rstrip("b")]
+            size = int(scaled) if math.isfinite(scaled) else MAX_SIZE + 1
+    if size is None:
+        raise ConfigError(f"mooncake {name} must be a byte count or a size like '4gb', got {value!r:.80}")
+    if size > MAX_SIZE:
+        raise ConfigError(f"mooncake {name} must be at most 1 PiB, got {value!r:.80}")
+    return size
 
 
 def _address(name: str, value: object) -> tuple[str, int]:
@@ -114,13 +126,8 @@ class MooncakeConfig:
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"mooncake protocol must be 'tcp' or 'rdma', got {protocol!r}")
         timeout = extra.get("connect_timeout_s", 10.0)
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ConfigError(f"mooncake connect_timeout_s must be a positive number, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 1e9:
+            raise ConfigError(f"mooncake connect_timeout_s must be a positive number up to 1e9, got {timeout!r:.80}")
         return cls(
             master_server_address=extra["master_server_address"],
             metadata_server=extra.get("metadata_server", cls.metadata_server),
@@ -188,7 +195,11 @@ class MooncakeStore:
         if probe is not None:
             return self._unavailable(probe)
         store = importlib.import_module("mooncake.store").MooncakeDistributedStore()
-        rc = store.setup(*args)
+        try:
+            rc = store.setup(*args)
+        except (MemoryError, TypeError, ValueError, OverflowError) as exc:  # a size it cannot take
+            _quiet_close(store)
+            return self._unavailable(f"setup failed: {type(exc).__name__}: {exc}")
         if rc != 0:
             _quiet_close(store)
             return self._unavailable(f"setup failed: {rc}")
