@@ -54,6 +54,7 @@ def test_a_pool_freed_under_the_cache_is_a_typed_error_at_the_next_copy() -> Non
     buf.untyped_storage().resize_(0)
     with pytest.raises(MisuseError, match="L1 pool's memory was freed or moved"):
         c.insert(req, pages)  # its write-through backup copies out of L1
+    c.close()  # NOTE: and so gives back its claim on that memory, which the allocator may reuse
 
 
 def test_a_refusal_after_the_store_was_opened_closes_the_store() -> None:
