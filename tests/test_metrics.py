@@ -206,3 +206,13 @@ def test_publish_takes_only_the_exposition_text(text: object) -> None:
     with pytest.raises(MisuseError, match="publish takes the exposition text"):
         server.publish(text)  # type: ignore[arg-type]
     assert server._latest() == b"a 1\n"
+
+
+@pytest.mark.parametrize("seconds", [-100.0, float("nan"), float("inf"), True, "0.5", 1e300])
+def test_a_ttft_that_is_no_duration_is_refused_and_changes_nothing(seconds: object) -> None:
+    """A negative TTFT lowered the histogram's sum, a NaN spoiled it for good."""
+    m = Metrics()
+    m.observe_ttft(0.5)
+    with pytest.raises(MisuseError, match="observe_ttft: seconds must be a number"):
+        m.observe_ttft(seconds)  # type: ignore[arg-type]
+    assert (m.ttft_seconds.count, m.ttft_seconds.sum) == (1, 0.5)

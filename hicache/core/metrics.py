@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, MisuseError
 from hicache.spec.model import Direction
 
 # Seconds, from a restore of a few pages on a GPU to a cold multi-GiB read from disk.
@@ -119,7 +119,11 @@ class Metrics:
         self.transfer_seconds[direction].observe(seconds)
 
     def observe_ttft(self, seconds: float) -> None:
-        """A request's first token came ``seconds`` after it arrived (fed by the engine)."""
+        """A request's first token came ``seconds`` after it arrived (fed by the engine).
+        MisuseError for anything but a number of seconds in [0, 1e9]: a negative one lowered
+        the histogram's sum, a NaN spoiled it for good."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 1e9:
+            raise MisuseError(f"observe_ttft: seconds must be a number in [0, 1e9], got {seconds!r:.60}")
         self.ttft_seconds.observe(seconds)
 
     def to_dict(self) -> dict[str, Any]:
