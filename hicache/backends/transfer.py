@@ -421,7 +421,9 @@ class TransferEngine:
         self._straight_only = False  # the ring could not be had for a layered H2D
         self.copy_max_pages = (COPY_MAX_PAGES if self.cuda else 0) if copy_max_pages is None else copy_max_pages
         self.copy_usable = self.copy_max_pages > 0 and (dma.AVAILABLE or not self.cuda)
-        if ring_head_pages is not None and (isinstance(ring_head_pages, bool) or ring_head_pages < 0):
+        if ring_head_pages is not None and (
+            isinstance(ring_head_pages, bool) or not isinstance(ring_head_pages, int) or ring_head_pages < 0
+        ):
             raise ConfigError(f"ring_head_pages must be an int >= 0, got {ring_head_pages!r}")
         # NOTE: on CPU only when asked for, as the copy path (tests of the split)
         self.ring_head_pages = (RING_HEAD_PAGES if self.cuda else 0) if ring_head_pages is None else ring_head_pages

@@ -622,3 +622,10 @@ def test_the_default_straight_cap_lands_every_page_and_signals_every_layer(
     eng = engine(l1, l2, 16, 2, layer_group=1, max_layer_group=4, d2d_runs=0)
     src, dst, straight = _straight_cases(STRAIGHT_MAX_PAGES, pages)[case]
     assert layered_h2d_exactly(eng, l1, l2, src, dst)["straight"] == int(straight)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "4"])
+def test_ring_head_pages_must_be_an_int_of_at_least_zero(bad: object) -> None:
+    l1, l2 = pools()
+    with pytest.raises(ConfigError, match="ring_head_pages must be an int >= 0"):
+        engine(l1, l2, 2, 2, ring_head_pages=bad)
