@@ -292,7 +292,13 @@ def parser() -> ArgParser:
         "--layer-group",
         type=at_least(1),
         default=None,
-        help="the first and last layer group's size of a layered restore (default: TransferEngine's)",
+        help="the first layer group's size of a layered restore (default: TransferEngine's)",
+    )
+    b.add_argument(
+        "--last-layer-group",
+        type=at_least(1),
+        default=None,
+        help="the last layer group's size of a layered restore (default: TransferEngine's)",
     )
     b.add_argument(
         "--max-layer-group",
@@ -335,10 +341,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--prefix-tokens {short[0]}: less than one page (--page-size {args.page_size}): nothing to restore")
     first = transfer_engine.LAYER_GROUP if args.layer_group is None else args.layer_group
     most = transfer_engine.MAX_LAYER_GROUP if args.max_layer_group is None else args.max_layer_group
-    if most < first:
-        ap.error(f"--max-layer-group {most} is smaller than the first layer group ({first})")
+    last = transfer_engine.LAST_LAYER_GROUP if args.last_layer_group is None else args.last_layer_group
+    if most < max(first, last):
+        ap.error(f"--max-layer-group {most} is smaller than the first or last layer group ({first}, {last})")
     if args.layer_group is not None:  # read as each row's engine builds its transfer engine
         transfer_engine.LAYER_GROUP = args.layer_group
+    if args.last_layer_group is not None:
+        transfer_engine.LAST_LAYER_GROUP = args.last_layer_group
     if args.max_layer_group is not None:
         transfer_engine.MAX_LAYER_GROUP = args.max_layer_group
     if args.layer_waits is not None:  # read as each row's engine builds its model runner

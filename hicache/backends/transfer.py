@@ -139,33 +139,42 @@ D2D_RUNS = 2
 # and the straight path's lower host cost wins (350 tokens of Qwen3-8B: 1.12x its floor
 # straight, 1.20x by row DMAs; 3,500 tokens: 1.40x straight, 1.32x by row DMAs).
 D2D_MIN_BYTES = 256 << 20
-# The first (and last) layer group's size, doubling to MAX_LAYER_GROUP in between. A layered
-# forward is faster per layer than the copy, so it catches up with it and then finishes each
-# group that group's compute after the group lands: small groups leave it less to do after
-# the copy. Groups of one or two layers cost the copy its rate (docs/RESULTS.md).
-LAYER_GROUP = 1
-MAX_LAYER_GROUP = 3
+# The first layer group's size, doubling to MAX_LAYER_GROUP, and the last one's, halving down
+# to it (layer_groups). A layered forward is faster per layer than the copy, so it catches up
+# with it and then finishes each group that group's compute after the group lands: a small
+# last group leaves it less to do after the copy. The first group's size barely moves the
+# forward's end, but a one-layer first group cost the copy its rate: 3,500 tokens of Qwen3-8B
+# took 10.08 ms of H2D service with groups 1, 2, 3, ..., 3, 2, 1 and 9.75 ms with 2, 4, ...,
+# 4, 3, 2, 1, one run after the other on one H200 (docs/RESULTS.md).
+LAYER_GROUP = 2
+MAX_LAYER_GROUP = 4
+LAST_LAYER_GROUP = 1
 # torch.cuda's Stream and Event constructors are unannotated; use them through Any.
 _Stream: Any = torch.cuda.Stream
 _Event: Any = torch.cuda.Event
 
 
-def layer_groups(layers: int, first: int, most: int) -> list[tuple[int, int]]:
+def layer_groups(layers: int, first: int, most: int, last: int | None = None) -> list[tuple[int, int]]:
     """The ``[lo, hi)`` layer ranges of a layered H2D, in order: sizes grow from ``first``
-    by doubling to ``most`` and shrink the same way at the end (1, 2, 4, 8, 6, 8, 4, 2, 1 for
-    36 layers from 1 to 8). Small first groups let the forward start early; small last ones
-    leave it little to do after the last layer lands (when the copy is the slower, the
-    forward waits on every group's end)."""
+    by doubling to ``most``, the middle is cut into groups of at most ``most`` as even as
+    can be, and sizes shrink the same way down to ``last`` at the end (default ``first``;
+    1, 2, 4, 8, 7, 7, 4, 2, 1 for 36 layers from 1 to 8). Small first groups let the
+    forward start early; small last ones leave it little to do after the last layer lands
+    (when the copy is the slower, the forward waits on every group's end)."""
     head: list[int] = []
     tail: list[int] = []
-    left, size = layers, first
-    while left > 0:
-        for part in (head, tail):
-            if left > 0:
-                part.append(min(size, left))
-                left -= part[-1]
-        size = min(2 * size, most)
-    bounds = list(itertools.accumulate(head + tail[::-1], initial=0))
+    left, up, down = layers, first, first if last is None else last
+    while left > 0 and (up < most or down < most or not head):
+        if up < most or not head:
+            head.append(min(up, left))
+            left, up = left - head[-1], min(2 * up, most)
+        if left > 0 and down < most:
+            tail.append(min(down, left))
+            left, down = left - tail[-1], min(2 * down, most)
+    count = -(-left // most)
+    share, extra = divmod(left, count) if count else (0, 0)
+    middle = [share + 1] * extra + [share] * (count - extra)
+    bounds = list(itertools.accumulate(head + middle + tail[::-1], initial=0))
     return list(itertools.pairwise(bounds))
 
 
@@ -346,6 +355,7 @@ class TransferEngine:
         min_run_bytes: int = 256 * 1024,
         layer_group: int | None = None,
         max_layer_group: int | None = None,
+        last_layer_group: int | None = None,
         scatter_programs: int = 32,
         chunk_bytes: int = CHUNK_BYTES,
         chunks: int = CHUNKS,
@@ -359,16 +369,22 @@ class TransferEngine:
         d2d_min_bytes: int = D2D_MIN_BYTES,
         ring_head_pages: int | None = None,
     ) -> None:
-        layer_group = LAYER_GROUP if layer_group is None else layer_group
         max_layer_group = MAX_LAYER_GROUP if max_layer_group is None else max_layer_group
+        # the ends' defaults fit under a smaller largest group given alone
+        cap = max_layer_group if isinstance(max_layer_group, int) else LAYER_GROUP
+        layer_group = min(LAYER_GROUP, cap) if layer_group is None else layer_group
+        last_layer_group = min(LAST_LAYER_GROUP, cap) if last_layer_group is None else last_layer_group
         if backend not in ("auto", "triton", "torch"):
             raise ConfigError(f"transfer backend must be auto, triton or torch; got {backend!r}")
         if l1.geometry != l2.geometry:
             raise ConfigError("L1 and L2 pools have different geometries")
-        if min(layer_group, max_layer_group, scatter_programs) < 1 or max_layer_group < layer_group:
+        groups = (layer_group, last_layer_group, max_layer_group)
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (*groups, scatter_programs)):
+            raise ConfigError(f"layer groups and scatter_programs must be ints, got {groups} and {scatter_programs!r}")
+        if min(*groups, scatter_programs) < 1 or max_layer_group < max(layer_group, last_layer_group):
             raise ConfigError(
-                "need 1 <= layer_group <= max_layer_group and scatter_programs >= 1, got "
-                f"{layer_group}, {max_layer_group}, {scatter_programs}"
+                "need 1 <= layer_group, last_layer_group <= max_layer_group and scatter_programs >= 1, got "
+                f"{layer_group}, {last_layer_group}, {max_layer_group}, {scatter_programs}"
             )
         if chunk_bytes < 1 or chunks < 2 or direct_max_bytes < 0:
             raise ConfigError(
@@ -397,6 +413,7 @@ class TransferEngine:
         self.min_run_bytes = min_run_bytes
         self.layer_group = layer_group
         self.max_layer_group = max_layer_group
+        self.last_layer_group = last_layer_group
         self.scatter_programs = scatter_programs
         pages = max(1, min(chunk_bytes // g.bytes_per_page, l1.num_pages, l2.num_pages))
         self.chunk_pages = pages - (pages & 1) if pages > 1 else 1  # even: id slices stay 16-byte aligned
@@ -659,7 +676,7 @@ class TransferEngine:
 
     def layer_groups(self) -> list[tuple[int, int]]:
         """The ``[lo, hi)`` layer ranges a layered H2D moves, in order (:func:`layer_groups`)."""
-        return layer_groups(self.geometry.num_layers, self.layer_group, self.max_layer_group)
+        return layer_groups(self.geometry.num_layers, self.layer_group, self.max_layer_group, self.last_layer_group)
 
     @property
     def layered(self) -> bool:

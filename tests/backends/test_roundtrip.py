@@ -8,10 +8,12 @@ from typing import cast
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hicache.backends import kernels
 from hicache.backends.pools import DevicePool, HostPool
-from hicache.backends.transfer import TransferBackend, TransferEngine
+from hicache.backends.transfer import TransferBackend, TransferEngine, layer_groups
 from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError, PageOwnershipError
 from tests.backends.helpers import l1_page, stack
@@ -192,19 +194,51 @@ def test_a_directions_first_enqueue_is_one_time_setup() -> None:
     assert d2h.timings.setup_s == d2h.timings.enqueue_s
 
 
+@given(
+    layers=st.integers(1, 128),
+    most=st.integers(1, 16),
+    first=st.integers(1, 16),
+    last=st.integers(1, 16),
+)
+def test_layer_groups_cover_every_layer_once_within_their_sizes(layers: int, most: int, first: int, last: int) -> None:
+    first, last = min(first, most), min(last, most)
+    groups = layer_groups(layers, first, most, last)
+    sizes = [hi - lo for lo, hi in groups]
+    assert groups[0][0] == 0 and groups[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+    assert all(1 <= size <= most for size in sizes)
+    assert sizes[0] == min(first, layers)
+    if layers >= first + last and last < most:
+        assert sizes[-1] == last
+    # the middle is cut evenly: no group between the ramps is under half the largest
+    ramp_up = len(list(itertools.takewhile(lambda s: s < most, sizes)))
+    ramp_down = len(list(itertools.takewhile(lambda s: s < most, reversed(sizes))))
+    middle = sizes[ramp_up : len(sizes) - ramp_down]
+    assert not middle or max(middle) - min(middle) <= 1 or len(set(sizes)) <= 2
+
+
 def test_layer_groups_are_small_at_both_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     g = KVGeometry(36, 2, 8, 4, torch.float32)
     l1, l2 = DevicePool.allocate(g, 8, "cpu"), HostPool(g, 8)
     groups = TransferEngine(l1, l2, "torch", layer_group=1, max_layer_group=8).layer_groups()
-    assert [hi - lo for lo, hi in groups] == [1, 2, 4, 8, 6, 8, 4, 2, 1]
+    assert [hi - lo for lo, hi in groups] == [1, 2, 4, 8, 7, 7, 4, 2, 1]
     assert groups[0][0] == 0 and groups[-1][1] == 36 and all(a[1] == b[0] for a, b in itertools.pairwise(groups))
-    assert TransferEngine(l1, l2, "torch", layer_group=4, max_layer_group=4).layer_groups()[-2:] == [(28, 32), (32, 36)]
-    # the default: groups of at most 3 layers, read when the engine is built (the bench's flag)
-    assert [hi - lo for lo, hi in TransferEngine(l1, l2, "torch").layer_groups()] == [1, 2] + [3] * 10 + [2, 1]
+    fours = TransferEngine(l1, l2, "torch", layer_group=4, max_layer_group=4, last_layer_group=4)
+    assert fours.layer_groups()[-2:] == [(28, 32), (32, 36)]
+    # the default: from 2 layers up to 4 and down to 1, read when the engine is built (the bench's flags)
+    assert [hi - lo for lo, hi in TransferEngine(l1, l2, "torch").layer_groups()] == [2] + [4] * 7 + [3, 2, 1]
     monkeypatch.setattr("hicache.backends.transfer.MAX_LAYER_GROUP", 6)
     assert max(hi - lo for lo, hi in TransferEngine(l1, l2, "torch").layer_groups()) == 6
     with pytest.raises(ConfigError, match="layer_group"):
         TransferEngine(l1, l2, "torch", layer_group=4, max_layer_group=2)
+    with pytest.raises(ConfigError, match="last_layer_group"):
+        TransferEngine(l1, l2, "torch", last_layer_group=5, max_layer_group=4)
+    with pytest.raises(ConfigError, match="must be ints"):
+        TransferEngine(l1, l2, "torch", last_layer_group=True)
+    # a largest group given alone, under the default ends: the ends shrink to it
+    assert {hi - lo for lo, hi in TransferEngine(l1, l2, "torch", max_layer_group=1).layer_groups()} == {1}
+    twos = TransferEngine(l1, l2, "torch", layer_group=2, max_layer_group=2, last_layer_group=2)
+    assert [hi - lo for lo, hi in twos.layer_groups()] == [2] * 18
     # On CPU the H2D cannot order by layer: events are accepted (the count is checked), and
     # the pages land as usual.
     l2.slabs.normal_()

@@ -122,6 +122,10 @@ def signalled(
     the runner says a layered forward replays a captured graph (on CPU none is captured);
     ``order``: check that it is launched once the first group's copy is queued."""
     signals, log = fake_signals()
+    device = e.cache.device
+    assert isinstance(device, TransferEngine)
+    device.layer_group = device.last_layer_group = 1  # its copy's groups are the signals' (GROUPS)
+    assert device.layer_groups() == GROUPS
     e.layered = True
     e.runner.signals, e.runner.layer_events = signals, signals.events
     ends: list[bool] = []
