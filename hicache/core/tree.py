@@ -138,11 +138,18 @@ class HiRadixTree:
         n = len(key)
         if tokens[start : start + n] == key:
             return n
+        # NOTE: a binary search over whole pages, each probe one C-level slice compare: a
+        # page-by-page walk made two slices per page (0.2 ms over a 3,500-token key), on
+        # the path from a request's arrival to its restore's first copy.
         ps = self.page_size
-        i = ps  # the first page matched already (it is the child's dict key)
-        while i < n and tokens[start + i : start + i + ps] == key[i : i + ps]:
-            i += ps
-        return i
+        lo, hi = 1, -(-n // ps)  # pages: the first matched already (the child's dict key), all did not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if tokens[start : start + mid * ps] == key[: mid * ps]:
+                lo = mid
+            else:
+                hi = mid
+        return lo * ps
 
     def match_prefixes(self, tokens: tuple[int, ...]) -> MatchResult:
         """Per tier, the longest page-aligned prefix of ``tokens`` resident in that tier.

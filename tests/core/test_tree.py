@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hicache.core import CacheCore, DevicePage, TierSizes
 from hicache.core.node import Node
@@ -413,3 +415,27 @@ def test_ensure_free_raises_when_the_evictable_count_overstates_what_eviction_fi
         "tier L1",
         "evictable counter promised more pages than eviction found",
     )
+
+
+@given(
+    ps=st.sampled_from([1, 2, 16]),
+    key_pages=st.integers(1, 40),
+    start_pages=st.integers(0, 4),
+    data=st.data(),
+)
+def test_common_is_the_longest_matching_run_of_whole_pages(
+    ps: int, key_pages: int, start_pages: int, data: st.DataObject
+) -> None:
+    """``common`` against the page-by-page definition: the key's first page matches (it is
+    the child's dict key), then whole pages as long as the tokens follow the key."""
+    key = tuple(data.draw(st.lists(st.integers(0, 2), min_size=key_pages * ps, max_size=key_pages * ps)))
+    shared = data.draw(st.integers(1, key_pages)) * ps
+    rest = data.draw(st.lists(st.integers(0, 2), max_size=3 * ps))
+    start = start_pages * ps
+    tokens = (7,) * start + key[:shared] + tuple(rest)
+    expected, n = ps, len(key)
+    while expected < n and tokens[start + expected : start + expected + ps] == key[expected : expected + ps]:
+        expected += ps
+    if tokens[start : start + n] == key:
+        expected = n
+    assert HiRadixTree(ps).common(key, tokens, start) == expected
