@@ -14,6 +14,7 @@ allocate Python objects beyond its result.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from operator import itemgetter
 from typing import Generic, TypeVar
@@ -94,14 +95,20 @@ class PageAllocator(Generic[P]):
         """Return pages. Raises PageOwnershipError (changing nothing) on a bad page."""
         ordered = sorted(pages)
         self.check_allocated(ordered)
-        i = 0
-        while i < len(ordered):
-            j = i + 1
-            while j < len(ordered) and ordered[j] == ordered[j - 1] + 1:
-                j += 1
+        # NOTE: distinct and ascending, so ordered[k] - k never falls and is constant over a
+        # run of consecutive pages: each run's end is a bisection, not a walk of its pages
+        # (an engine frees a whole prompt's pages at once, on the path to the next restore).
+        n, i = len(ordered), 0
+        while i < n:
+            base = ordered[i] - i
+            j = (
+                n
+                if ordered[-1] - (n - 1) == base
+                else bisect_right(range(n), base, i + 1, n, key=lambda k: ordered[k] - k)
+            )
             self._release(ordered[i], j - i)
             i = j
-        self._num_free += len(ordered)
+        self._num_free += n
 
     def check_allocated(self, ordered: Sequence[int]) -> None:
         """Raise PageOwnershipError unless ``ordered`` (ascending) are distinct allocated pages."""
