@@ -78,11 +78,47 @@ PHASES = [
 ]
 
 
+FINE = [
+    ("HiRadixTree", "match_prefixes"),
+    ("Controller", "_commit"),
+    ("CacheCore", "start"),
+    ("Controller", "_make_room"),
+    ("PageAllocator", "free"),
+    ("PageAllocator", "allocate"),
+    ("Controller", "_prefix_after"),
+    ("TransferEngine", "_order"),
+    ("TransferEngine", "_plan"),
+    ("TransferEngine", "_straight_plan"),
+    ("TransferEngine", "_d2d_plan"),
+    ("TransferEngine", "_issue"),
+    ("TransferEngine", "_wait_caller"),
+    ("TransferEngine", "_layered_copies"),
+    ("TransferEngine", "_layer_dmas"),
+]
+
+
 def main(argv: list[str]) -> None:
     global current
     keep = 8
     if argv[:1] == ["--last"]:
         keep, argv = int(argv[1]), argv[2:]
+    fine = argv[:1] == ["--fine"]  # every wrapped call's first entry and last exit, in order
+    argv = argv[fine:]
+    if fine:
+        from hicache.core.allocator import PageAllocator
+        from hicache.core.cache import CacheCore
+        from hicache.core.controller import Controller
+        from hicache.core.tree import HiRadixTree
+
+        owners: dict[str, Any] = {
+            "CacheCore": CacheCore,
+            "Controller": Controller,
+            "HiRadixTree": HiRadixTree,
+            "PageAllocator": PageAllocator,
+            "TransferEngine": TransferEngine,
+        }
+        for owner, name in FINE:
+            wrap(owners[owner], name, f"{owner}.{name}")
     wrap(Engine, "step", "step")
     wrap(HiCache, "admit", "admit")
     wrap(HiCache, "plan", "plan")
@@ -144,6 +180,13 @@ def main(argv: list[str]) -> None:
         values = [r[key] for r in rows if key in r]
         if values:
             print(f"{label:<24} {statistics.median(values):8.3f}  ({min(values):.3f} .. {max(values):.3f})")
+    if fine:
+        stamps = {k for r in rows for k in r if k.endswith(("<", ">"))}
+        keys = sorted(stamps, key=lambda k: statistics.median(r[k] for r in rows if k in r))
+        print("\n# every wrapped call: first entry (<) and last exit (>)")
+        for key in keys:
+            values = [r[key] for r in rows if key in r]
+            print(f"{key:<36} {statistics.median(values):8.3f}  ({min(values):.3f} .. {max(values):.3f})")
     for key in ("service", "copy end", "ttft", "tail", "dmas", "row copies"):
         values = [r[key] for r in rows if key in r]
         if values:
