@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -258,6 +259,11 @@ class HiCache:
         if l1_buffer is not None:
             _LIVE_L1[id(self)] = _extent(l1_buffer)
             weakref.finalize(self, _LIVE_L1.pop, id(self), None)
+        if storage is not None:
+            # NOTE: a cache dropped without close() would leave its L3 threads, open files and
+            # the dir store's lock for the life of the process (the threads hold the mover,
+            # not the cache): they go when it is collected, with a ResourceWarning.
+            self._unclosed = weakref.finalize(self, _close_unclosed, storage)
 
     # -- the controller's calls ------------------------------------------------------------
 
@@ -347,6 +353,9 @@ class HiCache:
         """Drain transfers, release every request, close storage. Idempotent."""
         self.controller.close()
         _LIVE_L1.pop(id(self), None)
+        unclosed = getattr(self, "_unclosed", None)
+        if unclosed is not None:
+            unclosed.detach()
 
     def __enter__(self) -> HiCache:
         if self.closed:
@@ -375,6 +384,20 @@ def _check_not_shared(buffer: torch.Tensor) -> None:
             "l1_buffer shares memory with the L1 pool of another open HiCache: each cache needs a pool "
             "of its own (both would hand out the same pages)"
         )
+
+
+def _close_unclosed(storage: StoreMover) -> None:
+    """A cache with L3 storage was collected (or the interpreter exits) without ``close()``:
+    close its storage (queued I/O finishes within the store's close timeout)."""
+    if storage.closed:
+        return
+    warnings.warn(
+        "a HiCache with L3 storage was not closed: its storage is closed now (call close(), or use it as a "
+        "context manager)",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    _close_quietly(storage)
 
 
 def _close_quietly(store: object) -> None:

@@ -4,7 +4,10 @@ past opening the L3 store closes the store."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,3 +80,30 @@ def test_a_refusal_after_the_store_was_opened_closes_the_store() -> None:
         HiCache(config(l3_pages=8), store=build)
     assert len(made) == 1 and closed == made
     assert threading.active_count() == threads
+
+
+def l3_threads() -> int:
+    return sum(t.name.startswith("hicache-l3-") for t in threading.enumerate())
+
+
+def test_a_cache_dropped_without_close_releases_its_storage(tmp_path: Path) -> None:
+    """A cache with L3 storage that is collected unclosed closes its store, with a
+    ResourceWarning: its I/O threads end and the dir store's lock goes, so another cache
+    can open the directory. A closed cache warns of nothing."""
+    before = l3_threads()
+    kw = dict(l3_pages=8, storage_backend="dir", storage_path=str(tmp_path / "l3"), model_id="m")
+    cache = HiCache(config(**kw))
+    assert l3_threads() > before
+    with pytest.raises(ConfigError):
+        HiCache(config(**kw))  # the directory is locked by the open cache
+    with pytest.warns(ResourceWarning, match="not closed"):
+        del cache
+        gc.collect()
+    assert l3_threads() == before
+    again = HiCache(config(**kw))  # the lock went with the dropped cache
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.close()
+        del again
+        gc.collect()
+    assert l3_threads() == before
