@@ -15,8 +15,12 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-import bench_hicache
-import bench_hicache_stress
+try:  # NOTE: these import torch (seconds): Ctrl-C there ends as it does later, one line and 130
+    import bench_hicache
+    import bench_hicache_stress
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 HERE = Path(__file__).resolve().parent
 BENCHES = {"bench_hicache.py": bench_hicache.parser, "bench_hicache_stress.py": bench_hicache_stress.parser}

@@ -403,3 +403,21 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert err == ""
+
+
+def test_ctrl_c_while_the_main_job_imports_torch_is_one_line_and_130() -> None:
+    """Ctrl-C during the main job's seconds-long import of the benchmarks (and torch) prints
+    ``interrupted`` and exits 130, as it does later (it was a traceback)."""
+    code = (
+        "import sys, runpy\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.modules.pop('torch', None); sys.meta_path.insert(0, Interrupt())\n"
+        f"sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
+        f"sys.argv = [{str(ROOT / 'bench' / 'main_job.py')!r}, '--help']\n"
+        f"runpy.run_path({str(ROOT / 'bench' / 'main_job.py')!r}, run_name='__main__')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert (run.returncode, run.stdout, run.stderr) == (130, "", "interrupted\n")
