@@ -91,8 +91,25 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         (
             ["--hicache-storage-backend-extra-config", '{"master": 1}'],
             "error: --hicache-storage-backend-extra-config '{\"master\": 1}': unknown key 'master' (known: "
-            "master_server_address, metadata_server, protocol, local_hostname, global_segment_size, "
-            "local_buffer_size)",
+            "master_server_address, metadata_server, protocol, local_hostname, device_name, global_segment_size, "
+            "local_buffer_size, connect_timeout_s)",
+        ),
+        (
+            ["--hicache-storage-backend-extra-config", '{"connect_timeout_s":"x"}'],
+            'error: --hicache-storage-backend-extra-config {"connect_timeout_s":"x"}: connect_timeout_s must be '
+            "a number, got 'x'",
+        ),
+        (
+            [
+                *l3,
+                "--hicache-storage-backend",
+                "mooncake",
+                "--hicache-storage-backend-extra-config",
+                '{"master_server_address": "127.0.0.1:1", "connect_timeout_s": -1, "device_name": ""}',
+            ],
+            'error: --hicache-storage-backend-extra-config \'{"master_server_address": "127.0.0.1:1", '
+            '"connect_timeout_s": -1, "device_name": ""}\': '
+            "mooncake connect_timeout_s must be a positive number up to 1e9, got -1",
         ),
         (
             ["--hicache-storage-backend-extra-config", '{"protocol":5}'],

@@ -34,8 +34,10 @@ EXTRA_CONFIG_KEYS: dict[str, tuple[type, ...]] = {
     "metadata_server": (str,),
     "protocol": (str,),
     "local_hostname": (str,),
+    "device_name": (str,),
     "global_segment_size": (int, str),
     "local_buffer_size": (int, str),
+    "connect_timeout_s": (int, float),
 }
 
 
@@ -134,7 +136,9 @@ def json_object(text: str) -> dict[str, Any]:
             known = ", ".join(EXTRA_CONFIG_KEYS)
             raise argparse.ArgumentTypeError(f"{_show(text)}: unknown key {key!r} (known: {known})")
         if not isinstance(v, EXTRA_CONFIG_KEYS[key]) or isinstance(v, bool):
-            want = " or ".join("a string" if t is str else "an integer" for t in EXTRA_CONFIG_KEYS[key])
+            kinds = EXTRA_CONFIG_KEYS[key]
+            named = " or ".join("a string" if t is str else "an integer" for t in kinds)
+            want = "a number" if float in kinds else named
             raise argparse.ArgumentTypeError(f"{_show(text)}: {key} must be {want}, got {v!r}")
     return value
 
