@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -264,6 +265,7 @@ class HiCache:
             # the dir store's lock for the life of the process (the threads hold the mover,
             # not the cache): they go when it is collected, with a ResourceWarning.
             self._unclosed = weakref.finalize(self, _close_unclosed, storage)
+            self._unclosed.atexit = False  # at exit the process's end releases them
 
     # -- the controller's calls ------------------------------------------------------------
 
@@ -387,17 +389,18 @@ def _check_not_shared(buffer: torch.Tensor) -> None:
 
 
 def _close_unclosed(storage: StoreMover) -> None:
-    """A cache with L3 storage was collected (or the interpreter exits) without ``close()``:
-    close its storage (queued I/O finishes within the store's close timeout)."""
+    """A cache with L3 storage was collected without ``close()``: close its storage on a
+    thread of its own (a hung disk holds a close for up to the store's close timeout, and
+    the collection may run on the engine's thread)."""
     if storage.closed:
         return
     warnings.warn(
-        "a HiCache with L3 storage was not closed: its storage is closed now (call close(), or use it as a "
+        "a HiCache with L3 storage was not closed: its storage is being closed (call close(), or use it as a "
         "context manager)",
         ResourceWarning,
         stacklevel=2,
     )
-    _close_quietly(storage)
+    threading.Thread(target=_close_quietly, args=(storage,), name="hicache-l3-close", daemon=True).start()
 
 
 def _close_quietly(store: object) -> None:

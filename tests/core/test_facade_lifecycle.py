@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -87,9 +88,9 @@ def l3_threads() -> int:
 
 
 def test_a_cache_dropped_without_close_releases_its_storage(tmp_path: Path) -> None:
-    """A cache with L3 storage that is collected unclosed closes its store, with a
-    ResourceWarning: its I/O threads end and the dir store's lock goes, so another cache
-    can open the directory. A closed cache warns of nothing."""
+    """A cache with L3 storage that is collected unclosed closes its store (on a thread of
+    its own), with a ResourceWarning: its I/O threads end and the dir store's lock goes, so
+    another cache can open the directory. A closed cache warns of nothing."""
     before = l3_threads()
     kw = dict(l3_pages=8, storage_backend="dir", storage_path=str(tmp_path / "l3"), model_id="m")
     cache = HiCache(config(**kw))
@@ -99,6 +100,10 @@ def test_a_cache_dropped_without_close_releases_its_storage(tmp_path: Path) -> N
     with pytest.warns(ResourceWarning, match="not closed"):
         del cache
         gc.collect()
+    for _ in range(3000):  # closed on a thread of its own: bounded wait for it (30 s at most)
+        if l3_threads() == before and not any(t.name == "hicache-l3-close" for t in threading.enumerate()):
+            break
+        time.sleep(0.01)
     assert l3_threads() == before
     again = HiCache(config(**kw))  # the lock went with the dropped cache
     with warnings.catch_warnings():
