@@ -14,7 +14,7 @@ from hicache.backends.pools import HostPool
 from hicache.backends.stores.base import PageStatus
 from hicache.spec.model import TABLE, Event, RunState
 from hicache.spec.request import REQUEST_TABLE, ReqEvent, ReqState
-from hicache.testing.facade_machine import FacadeMachine, RealBackendsMachine, SharedStoreMachine, sweep_recipes
+from hicache.testing.facade_machine import FacadeMachine, G, RealBackendsMachine, SharedStoreMachine, sweep_recipes
 from hicache.testing.memory_store import MemoryStore
 
 
@@ -81,3 +81,38 @@ def test_machines_over_a_users_store_catch_it_returning_wrong_bytes() -> None:
     sweep_recipes(machines_over(store=good).scheduled, None)  # a correct store passes
     with pytest.raises(AssertionError, match="holds wrong content"):
         sweep_recipes(machines_over(store=Flipping).scheduled, None)
+
+
+def test_the_documented_run_over_a_users_persistent_store_takes_every_transition() -> None:
+    """TESTING.md's example, over a store that outlives the cache (as a ``dir`` or Mooncake
+    store does): every transition such a store can reach is taken, so its final assertion
+    holds. A backup to it is never withdrawn at ``close``: ``cancel_h2s`` is not asked for."""
+    from hypothesis import HealthCheck
+
+    from hicache.testing.facade_machine import machines_over, missing_transitions
+
+    machines = machines_over(store=MemoryStore)
+    assert MemoryStore(HostPool(G, 2)).shared  # outlives the cache: persistent to the mover
+    sweep_recipes(machines.scheduled, machines.shared)
+    config = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    for machine in machines:
+        run_state_machine_as_test(machine, settings=config)
+    assert missing_transitions(machines) == ([], [])
+    assert {k for m in machines for k in m.stores_seen} == {"persistent"}
+
+
+def test_cancel_h2s_is_asked_for_once_a_transient_store_ran() -> None:
+    """Only where every store was persistent does ``missing_transitions`` leave out the
+    withdrawal of backups at close; a machine without runs asks for everything."""
+    from hicache.testing.facade_machine import missing_transitions
+
+    def machine(**stores: int) -> type[FacadeMachine]:
+        return type("M", (FacadeMachine,), {"coverage": Counter(), "request_coverage": Counter(),
+                                            "stores_seen": Counter(stores)})  # fmt: skip
+
+    every = {f"{s.name} --{e.value}-->" for s, e in TABLE}
+    cancels = {f"{s.name} --{e.value}-->" for s, e in TABLE if e is Event.CANCEL_H2S}
+    assert cancels
+    assert set(missing_transitions([machine()])[0]) == every
+    assert set(missing_transitions([machine(transient=1), machine(persistent=2)])[0]) == every
+    assert set(missing_transitions([machine(persistent=2)])[0]) == every - cancels
