@@ -108,7 +108,10 @@ class Scene:
         self.l1.buffer.copy_(torch.randn(self.l1.buffer.shape, device="cuda").to(G.dtype))
         self.l2 = HostPool(G, 64)
         self.l2.page_buffer.copy_(torch.randn(self.l2.page_buffer.shape).to(G.dtype))
-        self.engine = TransferEngine(self.l1, self.l2, backend, min_run_bytes=0, **PATHS[path])  # type: ignore[arg-type]
+        # NOTE: groups 1, 2, 1 of the 4 layers, whatever the defaults: the scenes below (which
+        # unit refills which slot) are written for them
+        groups = {"layer_group": 1, "max_layer_group": 3, "last_layer_group": 1}
+        self.engine = TransferEngine(self.l1, self.l2, backend, min_run_bytes=0, **groups, **PATHS[path])  # type: ignore[arg-type]
         self.pages = pages
         self.caller: Any = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         self.fresh = torch.randn(self.l1.buffer[:, :, :pages].shape, device="cuda").to(G.dtype)
@@ -332,6 +335,10 @@ def test_a_split_layered_h2d_lands_every_layer_through_both_streams(
       layer l's event reads layer l of every page landed (record_layer)."""
     if not dma.AVAILABLE:
         pytest.skip("the layered H2D needs cuda-python")
+    if path == "rows" and layout == "fragmented" and wait == "wait_join":
+        # NOTE: fragmented L2 pages are loaded in place, not moved out of slots by row DMAs:
+        # without split_layered the loads run on the transfer stream, and nothing joins it
+        pytest.skip("rows, fragmented: the loads run on the transfer stream (no kernel stream to join)")
     s = Scene("triton", path)
     layers = G.num_layers
     events = [torch.cuda.Event() for _ in range(layers)]  # type: ignore[no-untyped-call]
