@@ -70,10 +70,15 @@ def test_the_example_fails_on_a_mover_that_corrupts_one_byte() -> None:
 )
 def test_each_machine_runs_over_the_mover_it_is_given(machine: str, direction: str) -> None:
     """Random runs alone (no sweep) of each machine from ``machines_over`` find a mover that
-    flips one byte per copy: the L1 (H2D) and the L2 (D2H) content checks."""
+    flips one byte per copy: the L1 (H2D) and the L2 (D2H) content checks. A run of 40 steps
+    reaches a checked restore in about two examples of three (the scheduled H2D, 20 seeds), so
+    up to 200 examples are drawn: the derandomized seed follows the machines' source, and 20
+    missed it after an unrelated edit. Generation alone: the first failure is the finding."""
     example = _example()
     cls = getattr(machines_over(l1=example.my_l1, device=example.broken(direction)), machine)
-    config = settings(max_examples=20, stateful_step_count=40, derandomize=True, database=None, phases=QUICK)
+    config = settings(
+        max_examples=200, stateful_step_count=40, derandomize=True, database=None, phases=[Phase.generate]
+    )
     with pytest.raises(AssertionError, match="holds wrong content"):
         run_state_machine_as_test(cls, settings=config)
 
