@@ -274,3 +274,41 @@ def test_deadline_grows_with_the_request_size() -> None:
     assert t.deadline - t.started == pytest.approx(4.0)
     assert t.wait()
     s.close()
+
+
+def test_a_store_failing_by_status_is_logged_when_it_starts_and_when_it_recovers(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store whose writes come back FAILED raises nothing (a remote store whose server went
+    away): the mover says so at the first failure, not at every one while it lasts, and
+    again once a request goes through. Pages merely gone from a shared store are no failure."""
+    from hicache.backends.stores import mover as mover_module
+    from hicache.testing.memory_store import MemoryStore
+
+    monkeypatch.setattr(mover_module, "FAILING_WARN_S", 1e9)  # no repeat within the test
+    broken = {"on": True}
+
+    class Failing(MemoryStore):
+        def put(
+            self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None
+        ) -> list[PageStatus]:
+            if broken["on"]:
+                return [PageStatus.FAILED] * len(host_pages)
+            return super().put(host_pages, slots, keys)
+
+    host = HostPool(G, 8)
+    s = StoreMover(Failing(host), host, slots=8, workers=1)
+    caplog.set_level("WARNING", logger="hicache.backends.stores.mover")
+    for i in range(4):
+        assert s.write([0], [i], KEYS[i : i + 1]).wait() is False
+    failing = [r.getMessage() for r in caplog.records if "failing" in r.getMessage()]
+    assert len(failing) == 1 and "memory store failing (1 requests in a row)" in failing[0]
+    assert s.status()["failing_in_a_row"] == 4
+    assert s.read([1], [7], KEYS[7:8]).wait() is False  # lost from the store: not a failure
+    assert not any("works again" in r.getMessage() for r in caplog.records)
+    broken["on"] = False
+    assert s.write([0], [0], KEYS[:1]).wait()
+    again = [r.getMessage() for r in caplog.records if "works again" in r.getMessage()]
+    assert again == ["hicache L3: the memory store works again after 4 failed requests"]
+    assert s.status()["failing_in_a_row"] == 0
+    s.close()

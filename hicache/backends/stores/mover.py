@@ -36,6 +36,8 @@ from hicache.errors import ConfigError, MisuseError, PageOwnershipError
 from hicache.spec.model import Direction
 
 log = logging.getLogger(__name__)
+# While the store keeps failing, its warning repeats at most this often (with the count).
+FAILING_WARN_S = 30.0
 _READ, _WRITE, _STOP = 0, 1, 2  # queue priorities
 
 
@@ -129,6 +131,8 @@ class StoreMover:
         self._closing = False
         self._store_closed = False
         self._exists_busy = False
+        self._failing = 0  # jobs failed in a row (pages not stored or read, not merely lost)
+        self._warned_at = -math.inf
         self._control: queue.SimpleQueue[tuple[list[bytes], list[int], threading.Event]] | None = None
         self.counts: dict[str, int] = dict.fromkeys(
             (
@@ -253,6 +257,7 @@ class StoreMover:
         with self._lock:
             running = self._running
             active = len(self._active)
+            failing = self._failing
         return {
             "kind": self.store.kind,
             "slots": self.slots,
@@ -263,6 +268,7 @@ class StoreMover:
             **self.counts,
             "in_flight": active,
             "io_running": running,
+            "failing_in_a_row": failing,  # requests failed since the last that went through
             "deadline_s": self.deadline_s,
             "faults_injected": dict(self.faults.injected),
         }
@@ -520,9 +526,32 @@ class StoreMover:
             t.error += f" ({len(lost)} lost from the store): {detail}" if lost else f": {detail}"
         else:
             self.counts["extents"] += job.extents
+        if len(bad) > len(lost) or not bad:  # pages only gone from a shared store say neither
+            self._note_health(t.error if bad else None)
         self._active.discard(job)
         job.outcome = not bad
         job.event.set()
+
+    def _note_health(self, error: str | None) -> None:
+        """Under the lock, as a job ends: say when the store starts failing (pages neither
+        stored nor read, not merely gone from a shared store), again at most every
+        :data:`FAILING_WARN_S` while it goes on, and when it works again. A store that fails
+        by status (a remote store whose server went away) raises nothing: without this the
+        only sign was requests recomputing."""
+        if error is None:
+            if self._failing:
+                log.warning(
+                    "hicache L3: the %s store works again after %d failed requests", self.store.kind, self._failing
+                )
+            self._failing = 0
+            return
+        self._failing += 1
+        now = time.monotonic()
+        if self._failing == 1 or now - self._warned_at >= FAILING_WARN_S:
+            self._warned_at = now
+            log.warning(
+                "hicache L3: %s store failing (%d requests in a row): %s", self.store.kind, self._failing, error
+            )
 
     def _close_store(self) -> None:
         with self._lock:
