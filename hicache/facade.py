@@ -263,8 +263,9 @@ class HiCache:
         if storage is not None:
             # NOTE: a cache dropped without close() would leave its L3 threads, open files and
             # the dir store's lock for the life of the process (the threads hold the mover,
-            # not the cache): they go when it is collected, with a ResourceWarning.
-            self._unclosed = weakref.finalize(self, _close_unclosed, storage)
+            # not the cache): they go when its controller is collected (the one that drives
+            # the storage: kept by whoever kept it), with a ResourceWarning.
+            self._unclosed = weakref.finalize(self.controller, _close_unclosed, storage)
             self._unclosed.atexit = False  # at exit the process's end releases them
 
     # -- the controller's calls ------------------------------------------------------------
