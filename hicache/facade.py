@@ -395,13 +395,14 @@ def _close_unclosed(storage: StoreMover) -> None:
     the collection may run on the engine's thread)."""
     if storage.closed:
         return
+    # NOTE: the close first: under an "error" warnings filter the warning raises here
+    threading.Thread(target=_close_quietly, args=(storage,), name="hicache-l3-close", daemon=True).start()
     warnings.warn(
         "a HiCache with L3 storage was not closed: its storage is being closed (call close(), or use it as a "
         "context manager)",
         ResourceWarning,
-        stacklevel=2,
+        stacklevel=1,
     )
-    threading.Thread(target=_close_quietly, args=(storage,), name="hicache-l3-close", daemon=True).start()
 
 
 def _close_quietly(store: object) -> None:

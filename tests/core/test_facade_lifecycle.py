@@ -116,3 +116,22 @@ def test_a_cache_dropped_without_close_releases_its_storage(tmp_path: Path) -> N
         del kept
         gc.collect()
     assert l3_threads() == before
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the warning raised, as asked
+def test_a_dropped_cache_closes_its_storage_under_an_error_warnings_filter(tmp_path: Path) -> None:
+    """With warnings turned into errors the ResourceWarning cannot be shown (it is raised
+    inside a finalizer), but the storage still closes: the close is started first."""
+    before = l3_threads()
+    kw = dict(l3_pages=8, storage_backend="dir", storage_path=str(tmp_path / "l3"), model_id="m")
+    cache = HiCache(config(**kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del cache
+        gc.collect()
+    for _ in range(3000):  # bounded wait for the close thread (30 s at most)
+        if l3_threads() == before and not any(t.name == "hicache-l3-close" for t in threading.enumerate()):
+            break
+        time.sleep(0.01)
+    assert l3_threads() == before
+    HiCache(config(**kw)).close()  # the directory's lock went with it
