@@ -312,3 +312,42 @@ def test_a_store_failing_by_status_is_logged_when_it_starts_and_when_it_recovers
     assert again == ["hicache L3: the memory store works again after 4 failed requests"]
     assert s.status()["failing_in_a_row"] == 0
     s.close()
+
+
+def test_a_flapping_or_hung_store_is_logged_once_per_period(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store failing every other request logs its failure once per period, not at each new
+    streak; a hung store's requests, failed at their deadline, count as failures too."""
+    from hicache.backends.stores import mover as mover_module
+    from hicache.testing.memory_store import MemoryStore
+
+    monkeypatch.setattr(mover_module, "FAILING_WARN_S", 1e9)
+    calls = {"n": 0}
+
+    class Flapping(MemoryStore):
+        def put(
+            self, host_pages: Sequence[int], slots: Sequence[int], keys: Sequence[bytes] | None
+        ) -> list[PageStatus]:
+            calls["n"] += 1
+            if calls["n"] % 2:
+                return [PageStatus.FAILED] * len(host_pages)
+            return super().put(host_pages, slots, keys)
+
+    host = HostPool(G, 8)
+    s = StoreMover(Flapping(host), host, slots=8, workers=1)
+    caplog.set_level("WARNING", logger="hicache.backends.stores.mover")
+    outcomes = [s.write([0], [i % 8], KEYS[i % 8 : i % 8 + 1]).wait() for i in range(20)]
+    assert outcomes == [False, True] * 10
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("failing" in m for m in messages) == 1 and sum("works again" in m for m in messages) == 1
+    s.close()
+
+    caplog.clear()
+    hung = file_store(deadline_s=0.2, deadline_s_per_gib=0.0, workers=1)
+    hung.faults.add("hang", op="write")
+    assert hung.write([0], [0]).wait() is False
+    assert hung.status()["failing_in_a_row"] == 1
+    assert sum("failing" in r.getMessage() for r in caplog.records) == 1
+    hung.faults.release()
+    hung.close()

@@ -133,6 +133,7 @@ class StoreMover:
         self._exists_busy = False
         self._failing = 0  # jobs failed in a row (pages not stored or read, not merely lost)
         self._warned_at = -math.inf
+        self._warned_streak = False  # this streak was logged (so its end is too)
         self._control: queue.SimpleQueue[tuple[list[bytes], list[int], threading.Event]] | None = None
         self.counts: dict[str, int] = dict.fromkeys(
             (
@@ -379,7 +380,7 @@ class StoreMover:
             self._active.discard(job)
             job.outcome = False
             job.event.set()
-        log.warning("hicache %s", reason)
+            self._note_health(reason)  # a hung store's requests expire: logged as its failures are
         return False
 
     # -- the I/O threads -------------------------------------------------------------------------
@@ -539,16 +540,17 @@ class StoreMover:
         by status (a remote store whose server went away) raises nothing: without this the
         only sign was requests recomputing."""
         if error is None:
-            if self._failing:
+            if self._failing and self._warned_streak:
                 log.warning(
                     "hicache L3: the %s store works again after %d failed requests", self.store.kind, self._failing
                 )
-            self._failing = 0
+            self._failing, self._warned_streak = 0, False
             return
         self._failing += 1
         now = time.monotonic()
-        if self._failing == 1 or now - self._warned_at >= FAILING_WARN_S:
-            self._warned_at = now
+        # NOTE: across streaks too: a store that fails every other request logs once per period
+        if now - self._warned_at >= FAILING_WARN_S:
+            self._warned_at, self._warned_streak = now, True
             log.warning(
                 "hicache L3: %s store failing (%d requests in a row): %s", self.store.kind, self._failing, error
             )
