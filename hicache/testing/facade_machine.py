@@ -727,6 +727,7 @@ class SharedStoreMachine(FacadeMachine):
     shared = True
     coverage: ClassVar[Counter[tuple[RunState, Event]]] = Counter()
     request_coverage: ClassVar[Counter[tuple[ReqState, ReqEvent]]] = Counter()
+    stores_seen: ClassVar[Counter[str]] = Counter()
 
 
 class RealBackendsMachine(FacadeMachine):
@@ -735,6 +736,7 @@ class RealBackendsMachine(FacadeMachine):
     scheduled = False
     coverage: ClassVar[Counter[tuple[RunState, Event]]] = Counter()
     request_coverage: ClassVar[Counter[tuple[ReqState, ReqEvent]]] = Counter()
+    stores_seen: ClassVar[Counter[str]] = Counter()
 
 
 def sweep_recipes(
@@ -793,8 +795,10 @@ def missing_transitions(machines: Iterable[type[FacadeMachine]]) -> tuple[list[s
     """The page-run and the request transitions none of ``machines`` has taken so far.
 
     Where every L3 store the machines ran over is shared, so persistent (it outlives the
-    cache, as a ``dir`` or Mooncake store does), ``cancel_h2s`` is not asked for: a cache
-    withdraws a backup not yet started only to a store that goes with it, at ``close``."""
+    cache, as a ``dir`` or Mooncake store does), ``cancel_h2s`` is not asked for: the machines
+    reach it only by a backup not yet started that ``close`` withdraws, which a cache does only
+    to a store that goes with it (the other way, a backup past its deadline at ``close``, needs
+    I/O past a deadline, which the machines do not model)."""
     runs: Counter[tuple[RunState, Event]] = Counter()
     reqs: Counter[tuple[ReqState, ReqEvent]] = Counter()
     stores: Counter[str] = Counter()

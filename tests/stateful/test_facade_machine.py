@@ -116,3 +116,19 @@ def test_cancel_h2s_is_asked_for_once_a_transient_store_ran() -> None:
     assert set(missing_transitions([machine()])[0]) == every
     assert set(missing_transitions([machine(transient=1), machine(persistent=2)])[0]) == every
     assert set(missing_transitions([machine(persistent=2)])[0]) == every - cancels
+
+
+def test_each_machine_class_counts_its_own_stores() -> None:
+    """A run of the shared machine records its store on its own class, not on the
+    scheduled machine's: missing_transitions over the scheduled machine alone still asks for
+    everything."""
+    from hicache.testing.facade_machine import missing_transitions
+
+    scheduled = dict(FacadeMachine.stores_seen)
+    config = settings(max_examples=3, stateful_step_count=5, derandomize=True, database=None)
+    run_state_machine_as_test(SharedStoreMachine, settings=config)
+    assert SharedStoreMachine.stores_seen["persistent"] > 0
+    assert dict(FacadeMachine.stores_seen) == scheduled
+    assert RealBackendsMachine.stores_seen is not FacadeMachine.stores_seen
+    if not FacadeMachine.coverage:
+        assert len(missing_transitions([FacadeMachine])[0]) == len(TABLE)
