@@ -160,7 +160,14 @@ def layer_groups(layers: int, first: int, most: int, last: int | None = None) ->
     can be, and sizes shrink the same way down to ``last`` at the end (default ``first``;
     1, 2, 4, 8, 7, 7, 4, 2, 1 for 36 layers from 1 to 8). Small first groups let the
     forward start early; small last ones leave it little to do after the last layer lands
-    (when the copy is the slower, the forward waits on every group's end)."""
+    (when the copy is the slower, the forward waits on every group's end). Raises
+    ConfigError unless every count is an int >= 1 and neither end is larger than ``most``."""
+    ends = (first, most) if last is None else (first, most, last)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (layers, *ends)) or max(ends) > most:
+        raise ConfigError(
+            f"layer groups need ints >= 1 with first and last <= most; got layers {layers!r}, first {first!r}, "
+            f"most {most!r}, last {last!r}"
+        )
     head: list[int] = []
     tail: list[int] = []
     left, up, down = layers, first, first if last is None else last

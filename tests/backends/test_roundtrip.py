@@ -267,3 +267,22 @@ def test_a_layered_engine_warms_its_scatter_before_any_h2d(monkeypatch: pytest.M
     eng.d2h([0], [1]).wait()
     eng.d2h([2], [3]).wait()
     assert warmed == ([eng.layer_groups()] if backend == "triton" else [])
+
+
+BAD_GROUPS: list[tuple[object, ...]] = [
+    (5, 2, 4, 0),
+    (5, 0, 4, 1),
+    (5, 2, 4, -1),
+    (5, 2, 0, 1),
+    (5, 2.0, 4, 1),
+    (5, True, 4, 1),
+]
+BAD_GROUPS += [(0, 1, 1, 1), (5, 3, 2, 1), (5, 1, 2, 3), (5, 1, 4, "1")]
+
+
+@pytest.mark.parametrize("args", BAD_GROUPS)
+def test_layer_groups_refuses_what_is_no_group_size(args: tuple[object, ...]) -> None:
+    """The function itself (a probe calls it directly): a ConfigError, not a hang (a size 0
+    never shrank what was left) or a MemoryError."""
+    with pytest.raises(ConfigError, match="layer groups need ints"):
+        layer_groups(*args)  # type: ignore[arg-type]
