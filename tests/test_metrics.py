@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hicache.core.metrics import Histogram, Levels, Metrics
 from hicache.errors import ConfigError, MisuseError
 from hicache.metrics_http import MetricsServer
+from tests.threads import settle
 
 EVICTIONS = {"L1": 5, "L2": 1, "L3": 0}
 
@@ -156,6 +157,7 @@ def test_server_serves_the_latest_published_text_on_loopback() -> None:
 
 def test_stop_joins_the_thread_and_frees_the_port() -> None:
     """After ``stop`` no server thread is left and the port refuses connections."""
+    settle()
     before = {t.ident for t in threading.enumerate()}
     server = MetricsServer(port=0)
     port = server.start()

@@ -18,6 +18,7 @@ from hicache.backends.stores import PageStatus, StoreMover, open_storage
 from hicache.backends.stores.base import Op
 from hicache.errors import ConfigError, MisuseError
 from tests.backends.store_helpers import KEYS, G, dir_store, eventually, fill, page_bytes
+from tests.threads import settle
 
 
 def file_store(**kw: Any) -> StoreMover:
@@ -227,6 +228,7 @@ def test_bad_configuration_is_refused_before_anything_opens(
 ) -> None:
     """Every bad setting is a ConfigError raised before a file, directory or thread exists."""
     kw = {k: (tmp_path / "l3" if v == "P" else v) for k, v in kw.items()}
+    settle()
     threads = threading.active_count()
     with pytest.raises(ConfigError, match=match):
         open_storage(kind, G, HostPool(G, 2), slots=4, **kw)

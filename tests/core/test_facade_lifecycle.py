@@ -18,6 +18,7 @@ from hicache.backends.pools import HostPool, l1_shape
 from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError, MisuseError
 from hicache.testing.memory_store import MemoryStore
+from tests.threads import named, settle
 
 G = KVGeometry(2, 1, 4, 2, torch.float32)
 
@@ -76,6 +77,7 @@ def test_a_refusal_after_the_store_was_opened_closes_the_store() -> None:
         made.append(Store(host))
         return made[-1]
 
+    settle()
     threads = threading.active_count()
     with pytest.raises(ConfigError, match="model_id"):
         HiCache(config(l3_pages=8), store=build)
@@ -84,13 +86,14 @@ def test_a_refusal_after_the_store_was_opened_closes_the_store() -> None:
 
 
 def l3_threads() -> int:
-    return sum(t.name.startswith("hicache-l3-") for t in threading.enumerate())
+    return named("hicache-l3-")
 
 
 def test_a_cache_dropped_without_close_releases_its_storage(tmp_path: Path) -> None:
     """A cache with L3 storage that is collected unclosed closes its store (on a thread of
     its own), with a ResourceWarning: its I/O threads end and the dir store's lock goes, so
     another cache can open the directory. A closed cache warns of nothing."""
+    settle()
     before = l3_threads()
     kw = dict(l3_pages=8, storage_backend="dir", storage_path=str(tmp_path / "l3"), model_id="m")
     cache = HiCache(config(**kw))
@@ -122,6 +125,7 @@ def test_a_cache_dropped_without_close_releases_its_storage(tmp_path: Path) -> N
 def test_a_dropped_cache_closes_its_storage_under_an_error_warnings_filter(tmp_path: Path) -> None:
     """With warnings turned into errors the ResourceWarning cannot be shown (it is raised
     inside a finalizer), but the storage still closes: the close is started first."""
+    settle()
     before = l3_threads()
     kw = dict(l3_pages=8, storage_backend="dir", storage_path=str(tmp_path / "l3"), model_id="m")
     cache = HiCache(config(**kw))

@@ -14,6 +14,7 @@ from hicache.core.keys import format_seed, page_keys
 from hicache.errors import ConfigError
 from hicache.spec.model import Tier
 from hicache.testing.memory_store import MemoryStore
+from tests.threads import named, settle
 
 G = KVGeometry(2, 2, 8, 2, torch.float32)
 MODEL = "test-model"
@@ -175,7 +176,6 @@ def test_a_store_answering_junk_fails_its_requests_and_keeps_every_io_thread(mod
     """Statuses that are no PageStatus or a plan that does not cover the pages in order fail
     that request (its prompt recomputes); they used to raise on an I/O thread and end it, and
     with all four ended every L3 request ran to its deadline for the cache's life."""
-    import threading
 
     def build(host: HostPool) -> MemoryStore:
         s = _Junk(host)
@@ -185,10 +185,11 @@ def test_a_store_answering_junk_fails_its_requests_and_keeps_every_io_thread(mod
     cfg = HiCacheConfig(
         G, l1_pages=4, l2_pages=4, l3_pages=32, policy="always", device="cpu", model_id=MODEL, storage_deadline_s=60.0
     )
+    settle()  # no earlier test's dropped cache closes its threads while these are counted
     c = HiCache(cfg, store=build)
 
     def l3_threads() -> int:
-        return sum(1 for t in threading.enumerate() if t.name.startswith("hicache-l3"))
+        return named("hicache-l3")
 
     before = l3_threads()
     prompts = [[100 * k + j for j in range(2 * G.page_size)] for k in range(6)]
