@@ -127,6 +127,10 @@ class HiCacheConfig:
             )
         if not isinstance(self.model_id, str):
             raise ConfigError(f"model_id must be a str, got {self.model_id!r}")
+        try:  # NOTE: here, before anything is allocated: its bytes seed the page keys
+            self.model_id.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raise ConfigError(f"model_id must be text that encodes to bytes, got {self.model_id!r:.80}") from None
         if self.l3_pages and self.storage_backend != "file" and not self.model_id:
             raise ConfigError(
                 f"storage_backend {self.storage_backend!r} names pages by content: set model_id (the model's "

@@ -45,7 +45,10 @@ class MetricsServer:
         """Make ``text`` what the next scrape returns."""
         if not isinstance(text, str):
             raise MisuseError(f"publish takes the exposition text (a str, as prometheus() returns), got {text!r:.60}")
-        data = text.encode()
+        try:
+            data = text.encode()
+        except UnicodeEncodeError as exc:
+            raise MisuseError(f"publish takes text that encodes to UTF-8: {exc}") from None
         with self._lock:
             self._text = data
 

@@ -180,6 +180,10 @@ def test_server_misuse_and_bad_ports() -> None:
     try:
         with pytest.raises(MisuseError, match="already running"):
             server.start()
+        server.publish("a 1\n")
+        with pytest.raises(MisuseError, match="encodes to UTF-8"):
+            server.publish("b \ud800\n")  # and the last text published stays
+        assert get(f"http://127.0.0.1:{server.port}/metrics")[2] == "a 1\n"
     finally:
         server.stop()
 

@@ -416,8 +416,8 @@ class Controller:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Teach the recompute model: ``tokens`` new tokens were prefilled in ``seconds``."""
         self._enter()
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-            raise MisuseError(f"observe_prefill: tokens must be an int > 0, got {tokens!r}")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 < tokens <= MAX_OBSERVED_TOKENS:
+            raise MisuseError(f"observe_prefill: tokens must be an int in [1, 2**53], got {tokens!r:.60}")
         _check_seconds("observe_prefill", seconds)
         self.cost.observe_prefill(tokens, float(seconds))
 
@@ -457,6 +457,16 @@ class Controller:
         events_ok = layer_events is None or (isinstance(layer_events, Sequence) and not isinstance(layer_events, str))
         if not events_ok:
             raise MisuseError(f"start_restore: layer_events must be a sequence, got {type(layer_events).__name__}")
+        if layer_events:  # NOTE: checked here: the mover refused them only after room was made in L1
+            groups = self.device.layer_groups()
+            layers = groups[-1][1] if groups else len(layer_events)
+            if len(layer_events) != layers:
+                raise MisuseError(
+                    f"start_restore: {len(layer_events)} layer_events for {layers} layers (give one per layer)"
+                )
+            bad = next((e for e in layer_events if not callable(getattr(e, "record", None))), None)
+            if bad is not None:
+                raise MisuseError(f"start_restore: layer_events must be events (torch.cuda.Event), got {bad!r:.60}")
         if req.state is not ReqState.ADMITTED:
             raise MisuseError(f"start_restore: request #{req.id} is {req.state.value}; restore right after admit")
         plan = plan or self.plan(req)
@@ -961,6 +971,9 @@ def check_selective_hits(value: object) -> None:
 # timings near the float range made the cost model's fits overflow to NaN (one sample spoiled
 # every plan until its window had turned over).
 MAX_SECONDS = 86_400.0
+# A prefill's token count the model may learn from: float's exact integers. Past them the
+# fit's squares overflow.
+MAX_OBSERVED_TOKENS = 2**53
 
 
 def _check_seconds(call: str, seconds: object) -> None:

@@ -29,12 +29,12 @@ def format_seed(model_id: str, geometry: KVGeometry, format_version: int = FORMA
     """The key of the empty prefix: model identity (name or checkpoint hash), KV geometry,
     dtype, page size and format version. ``shard`` names this rank's slice of the KV heads
     (e.g. ``"tp0/2"``) when ranks store different heads of the same geometry."""
-    if not isinstance(model_id, str) or not model_id:
-        raise MisuseError(f"model_id must be a non-empty str, got {model_id!r}")
+    if not isinstance(model_id, str) or not model_id or not _encodable(model_id):
+        raise MisuseError(f"model_id must be a non-empty str of text, got {model_id!r:.80}")
     if isinstance(format_version, bool) or not isinstance(format_version, int) or format_version < 0:
         raise MisuseError(f"format_version must be a non-negative int, got {format_version!r}")
-    if not isinstance(shard, str):
-        raise MisuseError(f"shard must be a str, got {shard!r}")
+    if not isinstance(shard, str) or not _encodable(shard):
+        raise MisuseError(f"shard must be a str of text, got {shard!r:.80}")
     g = geometry
     fields = (
         "hicache-kv",
@@ -48,7 +48,8 @@ def format_seed(model_id: str, geometry: KVGeometry, format_version: int = FORMA
         f"dtype={g.dtype}",
     )
     # NOTE: length-prefixed fields, so no two different tuples serialize alike.
-    blob = b"".join(len(f.encode()).to_bytes(4, "little") + f.encode() for f in fields)
+    raw = [f.encode("utf-8", "surrogateescape") for f in fields]
+    blob = b"".join(len(r).to_bytes(4, "little") + r for r in raw)
     return xxhash.xxh3_128_digest(blob)
 
 
@@ -74,3 +75,13 @@ def page_keys(parent: bytes, tokens: Sequence[int], page_size: int) -> list[byte
         key = digest(key + raw[offset : offset + step])
         keys.append(key)
     return keys
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` has bytes: UTF-8, where a name decoded from a non-UTF-8 path
+    (``os.fsdecode``) keeps its raw bytes; a lone surrogate of any other kind has none."""
+    try:
+        text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True

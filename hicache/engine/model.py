@@ -267,7 +267,7 @@ def model_identity(model: str, seed: int = 0) -> str:
     h = hashlib.sha256()
     for f in sorted(p.iterdir()):
         if f.is_file() and (f.suffix in (".safetensors", ".bin") or f.name == "config.json"):
-            h.update(f.name.encode())
+            h.update(os.fsencode(f.name))  # a name not in UTF-8 too
             h.update(f.read_bytes() if f.name == "config.json" else str(f.stat().st_size).encode())
     return f"checkpoint:{p.resolve().name}:{h.hexdigest()[:16]}"
 

@@ -111,6 +111,13 @@ def catalogue() -> list[BadInput]:
             "sizes", "L3 without L2", lambda: HiCacheConfig(G, l1_pages=4, l3_pages=4), ConfigError, "L3 needs L2"
         ),
         BadInput(
+            "sizes",
+            "model_id with a lone surrogate (it has no bytes to seed keys with)",
+            lambda: HiCacheConfig(G, l1_pages=4, model_id="m\ud800"),
+            ConfigError,
+            "encodes to bytes",
+        ),
+        BadInput(
             "pool",
             "L1 tensor of the wrong shape",
             lambda: DevicePool(G, torch.zeros(2, 3, 4, 2, 2, 8)),
@@ -447,6 +454,30 @@ def catalogue() -> list[BadInput]:
             lambda: cache.observe_prefill(4, 1e308),
             MisuseError,
             "[0, 86400]",
+            state,
+        ),
+        BadInput(
+            "requests",
+            "observe_prefill with 10**200 tokens (the fit overflowed, and failed the next calls)",
+            lambda: cache.observe_prefill(10**200, 0.1),
+            MisuseError,
+            "[1, 2**53]",
+            state,
+        ),
+        BadInput(
+            "requests",
+            "start_restore with 3 layer events for 2 layers (room was made in L1 first)",
+            lambda: cache.start_restore(live, layer_events=[None, None, None]),
+            MisuseError,
+            "3 layer_events for 2 layers",
+            state,
+        ),
+        BadInput(
+            "requests",
+            "start_restore with ints as layer events",
+            lambda: cache.start_restore(live, layer_events=[1, 2]),
+            MisuseError,
+            "must be events",
             state,
         ),
         BadInput(

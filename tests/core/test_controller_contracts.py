@@ -131,45 +131,46 @@ def test_promotions_accumulate_over_restores() -> None:
     c.close()
 
 
-def test_wrong_number_of_layer_events_is_refused_and_changes_nothing() -> None:
-    """``layer_events`` reach the device: a count that is neither 0 nor the number of
-    layers is refused with the counts named, and the request is still free to restore."""
-    c = make()
-    tokens = list(range(8))
-    cached(c, tokens, Tier.L1)
-    req = c.admit(tokens)
-    with pytest.raises(ConfigError, match=r"^layer_events: 1 events for 2 layers$"):
-        c.start_restore(req, c.plan(req), layer_events=[object()])
-    st = c.status().core
-    assert st.leases == 0 and all(t.in_flight == 0 for t in st.tiers)
-    assert c.restore(req) and req.cached_len == 8
-    c.release(req)
-    c.check_integrity()
-    c.close()
+def test_wrong_layer_events_are_refused_before_room_is_made() -> None:
+    """``layer_events`` whose count is neither 0 nor the number of layers, or that are no
+    events, are refused with a MisuseError before anything changes: the mover refused a
+    wrong count only after the restore had evicted L1 copies to make room, and took ints
+    of the right count, failing the copy into a fallback."""
+    import torch
 
+    from hicache import HiCacheConfig
+    from hicache.core.geometry import KVGeometry
 
-@pytest.mark.parametrize("tier", [Tier.L2, Tier.L3])
-def test_a_restore_released_after_its_copy_ran_ends_cancelled(monkeypatch: pytest.MonkeyPatch, tier: Tier) -> None:
-    """Released while its copy (S2H or H2D) already ran, so it cannot be withdrawn: the next
-    poll ends the restore CANCELLED (not a fallback), and what landed stays in the tree."""
-    c = make()
-    tokens = list(range(8))
-    cached(c, tokens, Tier.L1, *([Tier.L2] if tier is Tier.L3 else []))
-    _synchronous(monkeypatch, c.device, "h2d")
-    _synchronous(monkeypatch, c.storage, "read")
-    req = c.admit(tokens)
-    pending = c.start_restore(req, c.plan(req))
-    assert pending is not None and pending.stage == ("s2h" if tier is Tier.L3 else "h2d")
-    c.release(req)
-    assert not pending.finished
-    finished = c.poll()
-    assert finished == [pending] and pending.stage == "cancelled" and pending.outcome == "cancelled"
-    assert c.metrics.fallbacks == 0 and c.metrics.restores == 0
-    assert c.core.match(tokens).lengths == ((0, 8, 8) if tier is Tier.L3 else (8, 8, 8))
-    st = c.status().core
-    assert st.leases == 0 and all(t.in_flight == 0 for t in st.tiers)
-    c.check_integrity()
-    c.close()
+    g = KVGeometry(2, 1, 4, 4, torch.float32)
+    cache = HiCache(HiCacheConfig(g, l1_pages=4, l2_pages=16, device="cpu", policy="always"))
+
+    def serve(prompt: list[int]) -> None:
+        req = cache.admit(prompt)
+        pages = cache.allocate(req, -(-len(prompt) // 4))
+        assert pages is not None
+        cache.l1.buffer[:, :, pages] = float(prompt[0] + 1)
+        cache.insert(req, pages[: len(prompt) // 4])
+        cache.release(req)
+        cache.drain()
+
+    for first in (0, 100, 200):  # the first prompt ends in L2 alone; L1 full of evictable runs
+        serve(list(range(first, first + 12)))
+    req = cache.admit(list(range(8)))
+    assert req.hit[1] == 8 and req.hit[0] == 0
+    before = cache.status().to_dict()
+    for events, match in (
+        ([None] * 3, r"^start_restore: 3 layer_events for 2 layers \(give one per layer\)$"),
+        ([None], r"^start_restore: 1 layer_events for 2 layers"),
+        ([1, 2], r"^start_restore: layer_events must be events \(torch.cuda.Event\), got 1$"),
+    ):
+        with pytest.raises(MisuseError, match=match):
+            cache.start_restore(req, layer_events=events)
+        assert cache.status().to_dict() == before and req.state.value == "admitted"
+    assert cache.restore(req) and req.cached_len == 8
+    assert bool((cache.l1.buffer[:, :, cache.prefix_pages(req)] == 1.0).all())
+    cache.release(req)
+    cache.check_integrity()
+    cache.close()
 
 
 def test_a_restore_in_flight_without_a_transfer_is_an_integrity_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,8 +23,15 @@ from tests.core.test_seed26_controller import PS, _cached, _make
 _PLAN_L2 = Plan(Tier.L2, 4, 1.0, 0.1, 1.1)
 
 _REFUSALS: list[tuple[str, Callable[[Controller, Request], object]]] = [
-    (r"^observe_prefill: tokens must be an int > 0, got 0$", lambda c, req: c.observe_prefill(0, 1.0)),
-    (r"^observe_prefill: tokens must be an int > 0, got True$", lambda c, req: c.observe_prefill(True, 1.0)),
+    (r"^observe_prefill: tokens must be an int in \[1, 2\*\*53\], got 0$", lambda c, req: c.observe_prefill(0, 1.0)),
+    (
+        r"^observe_prefill: tokens must be an int in \[1, 2\*\*53\], got True$",
+        lambda c, req: c.observe_prefill(True, 1.0),
+    ),
+    (
+        r"^observe_prefill: tokens must be an int in \[1, 2\*\*53\], got 9007199254740993$",
+        lambda c, req: c.observe_prefill(2**53 + 1, 1.0),
+    ),
     (
         r"^observe_prefill: seconds must be a number in \[0, 86400\], got -1\.0$",
         lambda c, req: c.observe_prefill(4, -1.0),
@@ -49,6 +56,7 @@ _REFUSALS: list[tuple[str, Callable[[Controller, Request], object]]] = [
 _IDS = [
     "observe_prefill-tokens-0",
     "observe_prefill-tokens-bool",
+    "observe_prefill-tokens-past-2**53",
     "observe_prefill-seconds-negative",
     "observe_prefill-seconds-nan",
     "note_decode-seconds-str",

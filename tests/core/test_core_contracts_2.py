@@ -92,7 +92,7 @@ def test_exploration_skips_a_restore_costing_more_than_twice_its_saving() -> Non
 def test_an_empty_model_id_is_refused_naming_it() -> None:
     """format_seed refuses an empty model id with a MisuseError that shows the value."""
     g = KVGeometry(4, 2, 64, 4, torch.bfloat16)
-    with pytest.raises(MisuseError, match=r"model_id must be a non-empty str, got ''"):
+    with pytest.raises(MisuseError, match=r"model_id must be a non-empty str of text, got ''"):
         format_seed("", g)
 
 

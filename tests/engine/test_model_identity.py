@@ -120,3 +120,17 @@ def test_the_digest_samples_stay_inside_a_tensor_past_two_to_the_24() -> None:
     before = weights_digest(net)
     big[-1] = 1
     assert weights_digest(net) != before
+
+
+def test_a_checkpoint_with_a_file_name_not_in_utf8_has_an_identity_and_shares(tmp_path: Path) -> None:
+    """A checkpoint beside a weight file whose name is not UTF-8: its identity is computed
+    (it raised UnicodeEncodeError) and its pages are read back after a restart."""
+    import os
+
+    d = tmp_path / "model"
+    build_model("tiny", device="cpu", seed=0).save_pretrained(d)  # type: ignore[operator]
+    plain = model_identity(str(d))
+    (d / os.fsdecode(b"extra-\xfe.bin")).write_bytes(b"x")
+    assert model_identity(str(d)) != plain  # the file counts
+    first = _fill(tmp_path / "kv", model=str(d))
+    assert _second_run(tmp_path / "kv", None, model=str(d)) == (64, first)
