@@ -2,7 +2,7 @@
 # The main job: set up, then a short run of the end-to-end benchmarks — TTFT by tier
 # (recompute / L2 / L3) and throughput under prefix rotation — printing tables and writing
 # JSON + PNG to $HICACHE_BENCH_OUT (default /tmp/hicache-bench; the checkout stays clean).
-# Without a GPU: the tiny model on CPU (about a minute); with one: the Qwen3-8B shape in
+# Without a GPU: the tiny model on CPU (about 30 s on 2 idle cores); with one: the Qwen3-8B shape in
 # bf16. Each extra option goes to the benchmark(s) that have it (bench/main_job.py; e.g. --out DIR).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
