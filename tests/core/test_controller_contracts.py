@@ -173,6 +173,30 @@ def test_wrong_layer_events_are_refused_before_room_is_made() -> None:
     cache.close()
 
 
+@pytest.mark.parametrize("tier", [Tier.L2, Tier.L3])
+def test_a_restore_released_after_its_copy_ran_ends_cancelled(monkeypatch: pytest.MonkeyPatch, tier: Tier) -> None:
+    """Released while its copy (S2H or H2D) already ran, so it cannot be withdrawn: the next
+    poll ends the restore CANCELLED (not a fallback), and what landed stays in the tree."""
+    c = make()
+    tokens = list(range(8))
+    cached(c, tokens, Tier.L1, *([Tier.L2] if tier is Tier.L3 else []))
+    _synchronous(monkeypatch, c.device, "h2d")
+    _synchronous(monkeypatch, c.storage, "read")
+    req = c.admit(tokens)
+    pending = c.start_restore(req, c.plan(req))
+    assert pending is not None and pending.stage == ("s2h" if tier is Tier.L3 else "h2d")
+    c.release(req)
+    assert not pending.finished
+    finished = c.poll()
+    assert finished == [pending] and pending.stage == "cancelled" and pending.outcome == "cancelled"
+    assert c.metrics.fallbacks == 0 and c.metrics.restores == 0
+    assert c.core.match(tokens).lengths == ((0, 8, 8) if tier is Tier.L3 else (8, 8, 8))
+    st = c.status().core
+    assert st.leases == 0 and all(t.in_flight == 0 for t in st.tiers)
+    c.check_integrity()
+    c.close()
+
+
 def test_a_restore_in_flight_without_a_transfer_is_an_integrity_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """The blocking restore refuses to spin on a restore that claims to be in flight but
     has no transfer: IntegrityError naming the request and what is wrong."""
