@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,12 +57,32 @@ def test_the_example_refuses_a_count_below_one(flag: str, capsys: pytest.Capture
     assert capsys.readouterr().err.splitlines()[-1] == f"fuzz_my_loop.py: error: {flag} 0: must be an integer >= 1"
 
 
-def test_the_example_fails_on_a_mover_that_corrupts_one_byte() -> None:
-    """``--broken h2d`` (one byte flipped in every H2D's first page) exits non-zero with the
-    content check's report."""
-    done = _run("--broken", "h2d")
+def test_the_example_fails_on_a_mover_that_corrupts_one_byte_as_testing_md_shows() -> None:
+    """``--broken h2d`` (one byte flipped in every H2D's first page), run as TESTING.md's
+    "Reading a failure" runs it, exits non-zero with the report the page walks through: each
+    line it shows, in order (``...`` stands for lines or text it leaves out)."""
+    doc = (EXAMPLE.parents[1] / "TESTING.md").read_text()
+    section = doc[doc.index("## Reading a failure") :]
+    command = re.search(r"`python docs/examples/fuzz_my_loop.py ([^`]*)`", section)
+    block = re.search(r"```\n(.*?)```", section, re.S)
+    assert command is not None and block is not None
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), *command.group(1).split()],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode != 0
-    assert "holds wrong content" in done.stderr, done.stderr[-4000:]
+    said = [line for line in done.stderr.splitlines() if line and not line.startswith("  ")]
+    at = 0
+    for shown in block.group(1).splitlines():
+        if shown == "...":
+            continue
+        pattern = re.compile(".*".join(re.escape(part) for part in shown.split("...")))
+        found = next((i for i in range(at, len(said)) if pattern.fullmatch(said[i])), None)
+        assert found is not None, f"TESTING.md shows {shown!r}; the run printed, from there: {said[at:]}"
+        at = found + 1
 
 
 @pytest.mark.parametrize(
