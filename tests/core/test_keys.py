@@ -130,8 +130,9 @@ KNOWN_SEED_M = "ac6b2d7dee18bd3ccc96aa2ac3b359eb"
 
 def test_a_model_id_decoded_from_a_non_utf8_path_has_keys_of_its_own() -> None:
     """A checkpoint name decoded with ``os.fsdecode`` from bytes that are not UTF-8 keeps its
-    raw bytes (surrogate escapes): it seeds keys, other names' keys differ, and names in
-    UTF-8 keep the keys they had."""
+    raw bytes (surrogate escapes): it seeds keys, names of other bytes get other keys, and
+    names in UTF-8 keep the keys they had. (Two strings of the same bytes, as ``os.fsencode``
+    sees them, are one name: ``"é"`` and its escaped UTF-8 bytes seed alike.)"""
     import os
 
     name = os.fsdecode(b"ckpt-\xff")
