@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import socket
 import subprocess
@@ -588,3 +589,22 @@ def test_the_summary_percentiles_are_nearest_rank(n: int) -> None:
         got = percentile(values, q)
         assert sum(v <= got for v in values) >= q * n  # at least q of them at or below it
         assert sum(v < got for v in values) < q * n  # and it is the smallest such value
+
+
+def test_ctrl_c_while_the_engine_cli_imports_torch_is_one_line_and_130() -> None:
+    """Ctrl-C during ``python -m hicache.engine``'s seconds-long import of torch prints
+    ``interrupted`` and exits 130 (the package imported torch before the CLI could answer)."""
+    code = (
+        "import sys, runpy\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.modules.pop('torch', None); sys.meta_path.insert(0, Interrupt())\n"
+        "sys.argv = ['hicache.engine', '--help']\n"
+        "runpy.run_module('hicache.engine', run_name='__main__', alter_sys=True)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    assert (run.returncode, run.stdout, run.stderr) == (130, "", "interrupted\n")
