@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.interrupts import run_with_torch_interrupted
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -408,16 +410,10 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
 def test_ctrl_c_while_the_main_job_imports_torch_is_one_line_and_130() -> None:
     """Ctrl-C during the main job's seconds-long import of the benchmarks (and torch) prints
     ``interrupted`` and exits 130, as it does later (it was a traceback)."""
-    code = (
-        "import sys, runpy\n"
-        "class Interrupt:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'torch':\n"
-        "            raise KeyboardInterrupt\n"
-        "sys.modules.pop('torch', None); sys.meta_path.insert(0, Interrupt())\n"
+    main_job = str(ROOT / "bench" / "main_job.py")
+    run = run_with_torch_interrupted(
         f"sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
-        f"sys.argv = [{str(ROOT / 'bench' / 'main_job.py')!r}, '--help']\n"
-        f"runpy.run_path({str(ROOT / 'bench' / 'main_job.py')!r}, run_name='__main__')\n"
+        f"sys.argv = [{main_job!r}, '--help']\n"
+        f"runpy.run_path({main_job!r}, run_name='__main__')\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert (run.returncode, run.stdout, run.stderr) == (130, "", "interrupted\n")

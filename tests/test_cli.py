@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from hicache.engine.cli import ineffective_flags
 from hicache.engine.engine import Engine, Output
 from hicache.errors import ConfigError
 from hicache.metrics_http import MetricsServer
+from tests.interrupts import run_with_torch_interrupted
 
 pytest.importorskip("transformers")
 
@@ -594,17 +594,8 @@ def test_the_summary_percentiles_are_nearest_rank(n: int) -> None:
 def test_ctrl_c_while_the_engine_cli_imports_torch_is_one_line_and_130() -> None:
     """Ctrl-C during ``python -m hicache.engine``'s seconds-long import of torch prints
     ``interrupted`` and exits 130 (the package imported torch before the CLI could answer)."""
-    code = (
-        "import sys, runpy\n"
-        "class Interrupt:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'torch':\n"
-        "            raise KeyboardInterrupt\n"
-        "sys.modules.pop('torch', None); sys.meta_path.insert(0, Interrupt())\n"
+    run = run_with_torch_interrupted(
         "sys.argv = ['hicache.engine', '--help']\n"
         "runpy.run_module('hicache.engine', run_name='__main__', alter_sys=True)\n"
     )
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root, env=env)
     assert (run.returncode, run.stdout, run.stderr) == (130, "", "interrupted\n")
