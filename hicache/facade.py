@@ -31,7 +31,7 @@ from hicache.core.controller import (
 )
 from hicache.core.cost import CostModel, CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage, KVGeometry, TierSizes
-from hicache.core.keys import format_seed
+from hicache.core.keys import encodable, format_seed
 from hicache.core.metrics import Metrics
 from hicache.core.status import ControllerStatus
 from hicache.errors import ConfigError, MisuseError
@@ -127,10 +127,8 @@ class HiCacheConfig:
             )
         if not isinstance(self.model_id, str):
             raise ConfigError(f"model_id must be a str, got {self.model_id!r}")
-        try:  # NOTE: here, before anything is allocated: its bytes seed the page keys
-            self.model_id.encode("utf-8", "surrogateescape")
-        except UnicodeEncodeError:
-            raise ConfigError(f"model_id must be text that encodes to bytes, got {self.model_id!r:.80}") from None
+        if not encodable(self.model_id):  # NOTE: here, before anything is allocated: its bytes seed the keys
+            raise ConfigError(f"model_id must be text that encodes to bytes, got {self.model_id!r:.80}")
         if self.l3_pages and self.storage_backend != "file" and not self.model_id:
             raise ConfigError(
                 f"storage_backend {self.storage_backend!r} names pages by content: set model_id (the model's "

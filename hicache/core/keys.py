@@ -29,11 +29,11 @@ def format_seed(model_id: str, geometry: KVGeometry, format_version: int = FORMA
     """The key of the empty prefix: model identity (name or checkpoint hash), KV geometry,
     dtype, page size and format version. ``shard`` names this rank's slice of the KV heads
     (e.g. ``"tp0/2"``) when ranks store different heads of the same geometry."""
-    if not isinstance(model_id, str) or not model_id or not _encodable(model_id):
+    if not isinstance(model_id, str) or not model_id or not encodable(model_id):
         raise MisuseError(f"model_id must be a non-empty str of text, got {model_id!r:.80}")
     if isinstance(format_version, bool) or not isinstance(format_version, int) or format_version < 0:
         raise MisuseError(f"format_version must be a non-negative int, got {format_version!r}")
-    if not isinstance(shard, str) or not _encodable(shard):
+    if not isinstance(shard, str) or not encodable(shard):
         raise MisuseError(f"shard must be a str of text, got {shard!r:.80}")
     g = geometry
     fields = (
@@ -77,7 +77,7 @@ def page_keys(parent: bytes, tokens: Sequence[int], page_size: int) -> list[byte
     return keys
 
 
-def _encodable(text: str) -> bool:
+def encodable(text: str) -> bool:
     """Whether ``text`` has bytes: UTF-8, where a name decoded from a non-UTF-8 path
     (``os.fsdecode``) keeps its raw bytes; a lone surrogate of any other kind has none."""
     try:
