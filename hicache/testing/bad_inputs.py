@@ -418,6 +418,14 @@ def catalogue() -> list[BadInput]:
         ),
         BadInput(
             "requests",
+            "insert a page id that is a list",
+            lambda: cache.insert(live, [cast(Any, [5])]),
+            MisuseError,
+            "private pages",
+            state,
+        ),
+        BadInput(
+            "requests",
             "insert twice",
             lambda: cache.insert(running, []),
             MisuseError,
