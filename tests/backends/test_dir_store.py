@@ -250,6 +250,22 @@ def test_size_is_bounded_with_lru_eviction(tmp_path: Path) -> None:
     s.close()
 
 
+def test_a_write_never_evicts_the_pages_it_reports_as_stored(tmp_path: Path) -> None:
+    """A full store asked for pages it has and one it has not keeps every page it answers
+    EXISTS for: the new page is FULL rather than stored in place of one of them."""
+    s = dir_store(tmp_path, slots=4)
+    fill(s.host, list(range(5)), list(range(5)))
+    assert s.write(list(range(4)), list(range(4)), KEYS[:4]).wait()
+    # the store itself: the mover's slot check keeps one call within the capacity, but pages
+    # of other writers in flight or of an earlier process can leave it this full
+    assert s.store.put(list(range(5)), list(range(5)), KEYS[:5]) == [PageStatus.EXISTS] * 4 + [PageStatus.FULL]
+    assert s.exists(KEYS[:4]) == 4 and s.status()["evicted"] == 0
+    assert s.read([0, 1, 2, 3], [7, 6, 5, 4], KEYS[:4]).wait()
+    for p, i in zip([7, 6, 5, 4], range(4), strict=True):
+        assert torch.equal(s.host.bytes[p], page_bytes(i))
+    s.close()
+
+
 def test_lru_order_and_bound_survive_a_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Reopened with a smaller capacity, the store keeps the most recently used pages and
     says (a warning) how many it deletes."""

@@ -255,14 +255,18 @@ class DirStore:
             raise MisuseError("the dir store addresses pages by key; give keys")
         out = [PageStatus.EXISTS] * len(keys)
         todo: list[int] = []
+        kept: set[bytes] = set()
         with self._lock:
             for i, key in enumerate(keys):
                 if key in self._lru:
                     self._lru.move_to_end(key)
+                    kept.add(key)
                 else:
                     todo.append(i)
             room = self.capacity - len(self._lru) - self._writing
-            while room < len(todo) and self._lru:
+            # NOTE: the pages answered EXISTS are the most recent now: eviction stops short of
+            # them (evicting one would report a page stored that is gone)
+            while room < len(todo) and len(self._lru) > len(kept):
                 self._evict_one()
                 room += 1
             for i in todo[max(0, room) :]:
