@@ -591,11 +591,16 @@ def test_the_summary_percentiles_are_nearest_rank(n: int) -> None:
         assert sum(v < got for v in values) < q * n  # and it is the smallest such value
 
 
-def test_ctrl_c_while_the_engine_cli_imports_torch_is_one_line_and_130() -> None:
-    """Ctrl-C during ``python -m hicache.engine``'s seconds-long import of torch prints
-    ``interrupted`` and exits 130 (the package imported torch before the CLI could answer)."""
+@pytest.mark.parametrize(
+    "module", ["torch", "transformers", "hicache.engine.cli", "hicache.engine.engine", "hicache.metrics_http"]
+)
+def test_ctrl_c_during_any_of_the_engine_clis_imports_is_one_line_and_130(module: str) -> None:
+    """Ctrl-C during any of ``python -m hicache.engine``'s seconds-long imports prints
+    ``interrupted`` and exits 130 (the package imported torch before the CLI could answer;
+    then the import of the CLI's own modules, after transformers, gave a traceback)."""
     run = run_with_torch_interrupted(
         "sys.argv = ['hicache.engine', '--help']\n"
-        "runpy.run_module('hicache.engine', run_name='__main__', alter_sys=True)\n"
+        "runpy.run_module('hicache.engine', run_name='__main__', alter_sys=True)\n",
+        module,
     )
     assert (run.returncode, run.stdout, run.stderr) == (130, "", "interrupted\n")

@@ -22,35 +22,38 @@ from collections import Counter
 
 import xxhash
 
-try:  # the [engine] extra
-    import transformers  # noqa: F401  (the models: checked here, for one line instead of a traceback)
-    from tqdm import tqdm
-except ImportError as _missing:
-    print(
-        "error: the reference engine needs the [engine] extra: "
-        f"pip install '.[engine]' in the hicache checkout ({_missing})",
-        file=sys.stderr,
+# NOTE: these imports take seconds (torch, transformers): Ctrl-C during any of them ends as it
+# does later, with one line and 130
+try:
+    try:  # the [engine] extra
+        import transformers  # noqa: F401  (the models: checked here, for one line instead of a traceback)
+        from tqdm import tqdm
+    except ImportError as _missing:
+        print(
+            "error: the reference engine needs the [engine] extra: "
+            f"pip install '.[engine]' in the hicache checkout ({_missing})",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+
+    from hicache.engine.cli import (
+        ArgParser,
+        FlagError,
+        add_engine_args,
+        engine_from_args,
+        given_flags,
+        ineffective_flags,
+        int_between,
+        port,
+        served_from,
+        warn,
     )
-    raise SystemExit(2) from None
-except KeyboardInterrupt:  # Ctrl-C during this (seconds-long) import: as later, one line and 130
+    from hicache.engine.engine import Engine, Output
+    from hicache.errors import is_out_of_memory
+    from hicache.metrics_http import MetricsServer
+except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     raise SystemExit(130) from None
-
-from hicache.engine.cli import (
-    ArgParser,
-    FlagError,
-    add_engine_args,
-    engine_from_args,
-    given_flags,
-    ineffective_flags,
-    int_between,
-    port,
-    served_from,
-    warn,
-)
-from hicache.engine.engine import Engine, Output
-from hicache.errors import is_out_of_memory
-from hicache.metrics_http import MetricsServer
 
 PUBLISH_EVERY_S = 0.5  # how stale /metrics may be while the workload runs
 
