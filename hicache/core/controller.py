@@ -219,8 +219,10 @@ class Controller:
     def _live(self, req: object) -> Request:
         if not isinstance(req, Request):
             raise MisuseError(f"expected a Request from admit(), got {type(req).__name__}")
-        if req.released or self._requests.get(req.id) is not req:
-            raise HandleError(f"request #{req.id} was released or is unknown")
+        if req.released:
+            raise HandleError(f"request #{req.id} was released")
+        if self._requests.get(req.id) is not req:
+            raise HandleError(f"request #{req.id} is not a request of this cache (admitted by another one)")
         return req
 
     def _next(self, req: Request, event: ReqEvent, call: str) -> ReqState:

@@ -382,7 +382,9 @@ def test_a_request_of_another_instance_is_refused() -> None:
     a, b = make(), make()
     req = a.admit([1, 2, 3, 4])
     for call in (lambda: b.plan(req), lambda: b.allocate(req, 1), lambda: b.release(req)):
-        with pytest.raises(HandleError, match=rf"^request #{req.id} was released or is unknown$"):
+        with pytest.raises(
+            HandleError, match=rf"^request #{req.id} is not a request of this cache \(admitted by another one\)$"
+        ):
             call()
     assert a.plan(req).tokens >= 0
     a.release(req)
