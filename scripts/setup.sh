@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv (the first setup installs torch and the dev tools: 2-5 min)" >&2
   if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null \
      || [ "${HICACHE_SYSTEM_TORCH:-0}" = 1 ]; then
     "$PY" -m venv --system-site-packages .venv
@@ -30,6 +31,7 @@ STAMP="$(sha256sum pyproject.toml | cut -c1-16) $EXTRAS"
 if [ "$(cat .venv/.hicache-installed 2>/dev/null)" != "$STAMP" ] \
    || ! .venv/bin/python -c 'import hicache, transitions, hypothesis' 2>/dev/null; then
   rm -f .venv/.hicache-installed
+  echo "setup: installing hicache into .venv (pip install -e '.[$EXTRAS]')" >&2
   if ! .venv/bin/pip install -q -e ".[$EXTRAS]" >.venv/pip.log 2>&1; then
     grep -v -E "^WARNING: Location" .venv/pip.log >&2 || true
     echo "setup: pip install -e '.[$EXTRAS]' failed (above)" >&2
