@@ -355,7 +355,7 @@ class Controller:
         aligned = len(req.tokens) - len(req.tokens) % ps
         own = list(pages)
         mine = set(req.private)
-        # NOTE: types first: a set of unhashable ids raised a bare TypeError
+        # NOTE: types first: set() of an unhashable id would raise a bare TypeError
         if any(type(p) is not int for p in own) or len(set(own)) != len(own) or not mine.issuperset(own):
             raise MisuseError("insert: pages must be distinct private pages allocated for this request")
         need = aligned // ps - req.cached_len // ps
