@@ -19,7 +19,7 @@ sys.modules.pop({module!r}, None); sys.meta_path.insert(0, Interrupt())
 """
 
 
-def run_with_torch_interrupted(code: str, module: str = "torch") -> subprocess.CompletedProcess[str]:
+def run_with_import_interrupted(code: str, module: str = "torch") -> subprocess.CompletedProcess[str]:
     """Run ``code`` (which may use ``sys`` and ``runpy``) from the checkout's root, with
     the checkout first on the path and a KeyboardInterrupt at the first import of ``module``
     (by default torch, the import that takes seconds)."""

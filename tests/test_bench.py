@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.interrupts import run_with_torch_interrupted
+from tests.interrupts import run_with_import_interrupted
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -411,7 +411,7 @@ def test_ctrl_c_while_the_main_job_imports_torch_is_one_line_and_130() -> None:
     """Ctrl-C during the main job's seconds-long import of the benchmarks (and torch) prints
     ``interrupted`` and exits 130, as it does later (it was a traceback)."""
     main_job = str(ROOT / "bench" / "main_job.py")
-    run = run_with_torch_interrupted(
+    run = run_with_import_interrupted(
         f"sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
         f"sys.argv = [{main_job!r}, '--help']\n"
         f"runpy.run_path({main_job!r}, run_name='__main__')\n"

@@ -53,7 +53,7 @@ def test_machine_covers_every_declared_transition() -> None:
     # NOTE: the draws are derandomized, but the runs they lead to still vary between
     # processes, and a rare transition (L2__H2S_H2D --fail_h2d-->) can stay unreached after a
     # round; bounded further rounds reach it, each drawing afresh from a seed of its own (a
-    # derandomized round of twice the examples re-ran the round before inside it: minutes).
+    # larger derandomized round would repeat the earlier rounds' draws inside it).
     for round_ in range(4):
         for machine in MACHINES:
             # the subclass shares its machine's coverage counter
