@@ -3,6 +3,9 @@ nothing; docs/RELIABILITY.md shows exactly this catalogue."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,3 +28,21 @@ def test_bad_input_is_refused_clearly(case: BadInput) -> None:
 def test_reliability_doc_lists_the_catalogue() -> None:
     doc = (Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md").read_text()
     assert markdown() in doc, "docs/RELIABILITY.md is out of date: python -m hicache.testing.bad_inputs"
+
+
+def test_the_catalogue_leaves_no_files_behind(tmp_path: Path) -> None:
+    """Its scratch directories (a symlink, a too-large store) go when the process exits."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    code = (
+        "from hicache.testing.bad_inputs import catalogue\n"
+        "for c in catalogue():\n"
+        "    try:\n"
+        "        c.run()\n"
+        "    except Exception:\n"
+        "        pass\n"
+    )
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    left = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor")]  # torch's own cache
+    assert not left

@@ -70,8 +70,18 @@ def _closed() -> HiCache:
     return c
 
 
+# The catalogue's scratch directories, removed when the process exits (each one's finalizer).
+_scratch: list[tempfile.TemporaryDirectory[str]] = []
+
+
+def _scratch_dir() -> str:
+    d = tempfile.TemporaryDirectory(prefix="hicache-bad-inputs-")
+    _scratch.append(d)
+    return d.name
+
+
 def _symlink() -> str:
-    d = tempfile.mkdtemp()
+    d = _scratch_dir()
     Path(d, "real").write_bytes(b"")
     os.symlink(Path(d, "real"), Path(d, "link"))
     return str(Path(d, "link"))
@@ -246,7 +256,7 @@ def catalogue() -> list[BadInput]:
         BadInput(
             "storage",
             "not enough free space",
-            lambda: StorageFile(G, 2**40, Path(tempfile.mkdtemp(), "l3.bin")),
+            lambda: StorageFile(G, 2**40, Path(_scratch_dir(), "l3.bin")),
             ConfigError,
             "free",
         ),
