@@ -48,7 +48,7 @@ from hicache.core.geometry import KVGeometry
 from hicache.core.keys import page_keys
 from hicache.core.node import Node
 from hicache.core.protocols import DeviceMover
-from hicache.errors import HiCacheError, MisuseError
+from hicache.errors import ConfigError, HiCacheError, MisuseError
 from hicache.facade import HiCache, HiCacheConfig
 from hicache.spec.model import TABLE, Event, RunState, Tier
 from hicache.spec.request import REQUEST_TABLE, ReqEvent, ReqState
@@ -130,12 +130,53 @@ def tag_value(prefix: Sequence[int]) -> float:
 _SPAN = 64
 
 
+def wrong_content(got: torch.Tensor, want: torch.Tensor) -> str:
+    """What a page that fails the content check holds instead of ``want`` (its
+    :func:`page_content`): never written, another page, K/V or layers or tokens
+    rearranged, or which elements differ."""
+    n, nan = got.numel(), int(torch.isnan(got).sum())
+    if nan == n:
+        return "never written (the poison a copy not landed leaves)"
+    if nan:
+        return f"{nan} of {n} elements never written"
+    bases = torch.unique(got - _OFFSETS)
+    if bases.numel() == 1:
+        return f"another page's content (tag {bases.item()!r}, want {tag_of(want)!r})"
+    for what, moved in (
+        ("K and V swapped", want.flip(0)),
+        ("layers shifted by one", want.roll(1, dims=1)),
+        ("layers shifted back by one", want.roll(-1, dims=1)),
+        ("tokens of the page reversed", want.flip(2)),
+    ):
+        if torch.equal(got, moved):
+            return what
+    diff = (got != want).nonzero()
+    at = tuple(int(i) for i in diff[0])
+    return (
+        f"{diff.shape[0]} of {n} elements differ, the first at [kv, layer, token, head, dim] "
+        f"{list(at)}: {got[at].item()!r}, want {want[at].item()!r}"
+    )
+
+
+def tag_of(page: torch.Tensor) -> float:
+    """The tag of a page that holds some :func:`page_content` (its first element)."""
+    return float(page.reshape(-1)[0].item())
+
+
+# What the cache calls on an L1 <-> L2 mover (hicache.core.protocols.DeviceMover).
+_MOVER_MEMBERS = ("layered", "layer_groups", "d2h", "h2d", "status")
+
+
 def page_content(prefix: Sequence[int]) -> torch.Tensor:
     """The content of the page ending ``prefix``, shaped as one page of the L1 pool
     (``[2, layers, page_size, kv_heads, head_dim]``, also an L2 page's layout): its
     :func:`tag_value` plus each element's index."""
-    shape = (2, G.num_layers, G.page_size, G.num_kv_heads, G.head_dim)
-    return torch.arange(_PAGE_ELEMENTS, dtype=torch.float32).view(shape) + tag_value(prefix)
+    return _OFFSETS + tag_value(prefix)
+
+
+_OFFSETS = torch.arange(_PAGE_ELEMENTS, dtype=torch.float32).view(
+    2, G.num_layers, G.page_size, G.num_kv_heads, G.head_dim
+)  # each element's position in its page, what page_content adds to the tag
 
 
 @dataclass(eq=False)
@@ -192,7 +233,15 @@ class ScheduledMover:
 
         def run() -> bool:
             call = getattr(self.real, name)
-            real = call(a, b) if keys is None else call(a, b, keys, above=above)
+            try:
+                real = call(a, b) if keys is None else call(a, b, keys, above=above)
+            except HiCacheError:
+                raise
+            except Exception as exc:
+                # NOTE: the real call is made here, at completion; a mover that raises on
+                # issue fails its transfer, nothing else, as it does under the controller.
+                ticket.error = f"could not be issued: {exc!r}"
+                return False
             ok = bool(real.wait())
             ticket.lost = name in ("write", "read") and bool(real.lost)
             return ok
@@ -334,11 +383,16 @@ class FacadeMachine(RuleBasedStateMachine):
             transfer_backend="torch",
             model_id="facade-machine",
         )
-        self.cache = c = HiCache(config, self.make_l1(G, l1), store=store if own and l3 else None)
+        c = HiCache(config, self.make_l1(G, l1), store=store if own and l3 else None)
+        try:
+            mover = self._check_backends(c)
+        except BaseException:
+            c.close()
+            raise
+        self.cache = c
         if c.storage is not None:
             type(self).stores_seen["persistent" if c.storage.persistent else "transient"] += 1
         _note(f"sizes {sizes}, {policy}")
-        mover = self.make_device(c)
         if not self.scheduled:
             c.controller.device = mover
             return
@@ -357,6 +411,27 @@ class FacadeMachine(RuleBasedStateMachine):
             storage = ScheduledMover(c.storage, {"write": lambda pages: None, "read": poison(host)})
             c.controller.storage = storage
             self.movers.append(storage)
+
+    def _check_backends(self, c: HiCache) -> DeviceMover:
+        """The mover from :meth:`make_device`, and the store, checked to be what the machine
+        calls (ConfigError naming what lacks, before any step runs)."""
+        mover = self.make_device(c)
+        missing = [m for m in _MOVER_MEMBERS if not hasattr(mover, m)]
+        if missing:
+            raise ConfigError(
+                f"make_device(cache) must return a DeviceMover; {type(mover).__name__} lacks {', '.join(missing)}"
+            )
+        made = self.store
+        if (
+            self.shared
+            and made is not None
+            and not (getattr(made, "keyed", False) and hasattr(made, "add") and hasattr(made, "drop"))
+        ):
+            raise ConfigError(
+                f"the shared machine needs a keyed store with add(key, page_bytes) and drop(key); "
+                f"{type(made).__name__} is not one (leave the shared machine out for it)"
+            )
+        return mover
 
     def _fill(self, tokens: tuple[int, ...], first_page: int, pages: Sequence[int]) -> None:
         ps = G.page_size
@@ -690,7 +765,9 @@ class FacadeMachine(RuleBasedStateMachine):
             for j, p in enumerate(pages):
                 want = page_content(req.tokens[: (j + 1) * ps])
                 got = self.c.l1.buffer[:, :, p]
-                assert torch.equal(got, want), f"request #{req.id} page {j} (L1 {p}) holds wrong content"
+                assert torch.equal(got, want), (
+                    f"request #{req.id} page {j} (L1 {p}) holds wrong content: {wrong_content(got, want)}"
+                )
 
     @invariant()
     def a_layered_restore_publishes_the_pages_it_named(self) -> None:
@@ -715,7 +792,9 @@ class FacadeMachine(RuleBasedStateMachine):
                 for j, p in enumerate(pages or ()):
                     want = page_content(full[: len(above) + (j + 1) * G.page_size])
                     got = self.c.l1.buffer[:, :, p] if tier is Tier.L1 else self.c.l2.page_buffer[p]
-                    assert torch.equal(got, want), f"{tier.name} page {p} of {node!r} holds wrong content"
+                    assert torch.equal(got, want), (
+                        f"{tier.name} page {p} of {node!r} holds wrong content: {wrong_content(got, want)}"
+                    )
             stack.extend((c, full) for c in node.children.values())
 
     def teardown(self) -> None:
@@ -767,6 +846,8 @@ def sweep_recipes(
             m.published_pages_hold_their_prefix()
             m.teardown()
         except (AssertionError, HiCacheError) as exc:
+            if isinstance(exc, ConfigError) and m.cache is None:
+                raise  # the embedder's pool, mover or store, refused before any recipe step
             raise AssertionError(f"{cls.__name__}: recipe {recipe!r} then {then!r}: {exc}") from exc
 
 
@@ -808,15 +889,20 @@ def missing_transitions(machines: Iterable[type[FacadeMachine]]) -> tuple[list[s
     cache, as a ``dir`` or Mooncake store does), ``cancel_h2s`` is not asked for: the machines
     reach it only by a backup not yet started that ``close`` withdraws, which a cache does only
     to a store that goes with it (the other way, a backup past its deadline at ``close``, needs
-    I/O past a deadline, which the machines do not model)."""
+    I/O past a deadline, which the machines do not model). Where none of ``machines`` is
+    the shared one (an unkeyed store, say, which it cannot run over), ``discover`` and
+    ``lose`` are not asked for either: only a store other instances write reaches them."""
     runs: Counter[tuple[RunState, Event]] = Counter()
     reqs: Counter[tuple[ReqState, ReqEvent]] = Counter()
     stores: Counter[str] = Counter()
+    machines = list(machines)
     for m in machines:
         runs += m.coverage
         reqs += m.request_coverage
         stores += m.stores_seen
     unreachable = {Event.CANCEL_H2S} if stores and not stores["transient"] else set()
+    if not any(m.shared for m in machines):
+        unreachable |= {Event.DISCOVER, Event.LOSE}
     return (
         sorted(f"{s.name} --{e.value}-->" for (s, e) in TABLE if (s, e) not in runs and e not in unreachable),
         sorted(f"{s.value} --{e.value}-->" for (s, e) in REQUEST_TABLE if (s, e) not in reqs),

@@ -83,6 +83,39 @@ def test_machines_over_a_users_store_catch_it_returning_wrong_bytes() -> None:
         sweep_recipes(machines_over(store=Flipping).scheduled, None)
 
 
+class _Minimal:
+    """A mover with only ``d2h`` and ``h2d``: the cache also asks ``layered``,
+    ``layer_groups`` and ``status``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.d2h, self.h2d = inner.d2h, inner.h2d
+
+
+class _NoOthers(MemoryStore):
+    """A keyed store without the other instances' ``add`` and ``drop``."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("add", "drop"):
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_backends_the_machines_cannot_drive_are_refused_before_any_step() -> None:
+    """A mover or a store that lacks what a machine calls is a ConfigError naming what
+    lacks, raised as it is (not blamed on the first recipe, nor an AttributeError mid-run)."""
+    from hicache.errors import ConfigError
+    from hicache.testing.facade_machine import machines_over
+
+    minimal = machines_over(device=lambda cache: _Minimal(cache.device))  # type: ignore[arg-type,return-value]
+    with pytest.raises(ConfigError, match=r"_Minimal lacks layered, layer_groups, status$"):
+        sweep_recipes(minimal.scheduled, None)
+    with pytest.raises(ConfigError, match="_Minimal lacks"):
+        run_state_machine_as_test(minimal.real, settings=settings(max_examples=1, database=None))
+    with pytest.raises(ConfigError, match="the shared machine needs a keyed store with add"):
+        sweep_recipes(None, machines_over(store=_NoOthers).shared)
+    sweep_recipes(machines_over(store=_NoOthers).scheduled, None)  # the other machines take it
+
+
 def test_the_documented_run_over_a_users_persistent_store_takes_every_transition() -> None:
     """TESTING.md's example, over a store that outlives the cache (as a ``dir`` or Mooncake
     store does): every transition such a store can reach is taken, so its final assertion
@@ -107,15 +140,17 @@ def test_cancel_h2s_is_asked_for_once_a_transient_store_ran() -> None:
     from hicache.testing.facade_machine import missing_transitions
 
     def machine(**stores: int) -> type[FacadeMachine]:
-        return type("M", (FacadeMachine,), {"coverage": Counter(), "request_coverage": Counter(),
-                                            "stores_seen": Counter(stores)})  # fmt: skip
+        return type("M", (SharedStoreMachine,), {"coverage": Counter(), "request_coverage": Counter(),
+                                                 "stores_seen": Counter(stores)})  # fmt: skip
 
     every = {f"{s.name} --{e.value}-->" for s, e in TABLE}
     cancels = {f"{s.name} --{e.value}-->" for s, e in TABLE if e is Event.CANCEL_H2S}
-    assert cancels
+    shared = {f"{s.name} --{e.value}-->" for s, e in TABLE if e in (Event.DISCOVER, Event.LOSE)}
+    assert cancels and shared
     assert set(missing_transitions([machine()])[0]) == every
     assert set(missing_transitions([machine(transient=1), machine(persistent=2)])[0]) == every
     assert set(missing_transitions([machine(persistent=2)])[0]) == every - cancels
+    assert set(missing_transitions([FacadeMachine])[0]) <= every - shared  # no shared machine among them
 
 
 def test_each_machine_class_counts_its_own_stores() -> None:
@@ -130,8 +165,9 @@ def test_each_machine_class_counts_its_own_stores() -> None:
     assert SharedStoreMachine.stores_seen["persistent"] > 0
     assert dict(FacadeMachine.stores_seen) == scheduled
     assert RealBackendsMachine.stores_seen is not FacadeMachine.stores_seen
-    if not FacadeMachine.coverage:
-        assert len(missing_transitions([FacadeMachine])[0]) == len(TABLE)
+    if not FacadeMachine.coverage:  # all but what only the shared machine reaches
+        missing = missing_transitions([FacadeMachine])[0]
+        assert len(missing) == len([1 for _, e in TABLE if e not in (Event.DISCOVER, Event.LOSE)])
 
 
 def test_the_real_backends_machine_enables_rules_by_what_was_drawn_not_by_timing() -> None:
@@ -158,3 +194,16 @@ def test_the_real_backends_machine_enables_rules_by_what_was_drawn_not_by_timing
         assert len(m.requests) == 1
     finally:
         m.teardown()
+
+
+def test_without_the_shared_machine_discover_and_lose_are_not_asked_for() -> None:
+    """Over an unkeyed store (the cache's own ``file``) the shared machine cannot run, and
+    only it reaches ``discover`` and ``lose``: ``missing_transitions`` of the others does
+    not ask for them; with the shared machine among them (not run) it does."""
+    from hicache.testing.facade_machine import machines_over, missing_transitions
+
+    machines = machines_over()
+    sweep_recipes(machines.scheduled, None)
+    assert missing_transitions([machines.scheduled])[0] == []
+    asked, _ = missing_transitions([machines.scheduled, machines.shared])
+    assert asked and all("--discover-->" in t or "--lose-->" in t for t in asked), asked

@@ -165,5 +165,67 @@ def test_a_mover_that_rearranges_a_page_is_caught(how: str) -> None:
     config = settings(  # as in test_each_machine_runs_over_the_mover_it_is_given
         max_examples=200, stateful_step_count=40, derandomize=True, database=None, phases=[Phase.generate]
     )
-    with pytest.raises(AssertionError, match="holds wrong content"):
+    said = {"layers": "layers shifted by one", "k and v": "K and V swapped", "tokens": "tokens of the page reversed"}
+    with pytest.raises(AssertionError, match=f"holds wrong content: {said[how]}"):
         run_state_machine_as_test(cls, settings=config)
+
+
+def test_a_wrong_page_is_described() -> None:
+    """The content check says what a wrong page holds instead, so the bug can be told
+    from the message: never written, another page, rearranged, or which elements."""
+    from hicache.testing.facade_machine import page_content, wrong_content
+
+    want, other = page_content([1, 2]), page_content([3, 4])
+    assert wrong_content(torch.full_like(want, float("nan")), want).startswith("never written")
+    partly = want.clone()
+    partly[1, 0, 0, 0, :2] = float("nan")
+    assert wrong_content(partly, want) == f"2 of {want.numel()} elements never written"
+    assert wrong_content(other, want).startswith(f"another page's content (tag {other.reshape(-1)[0].item()!r}, want ")
+    assert wrong_content(want.flip(0), want) == "K and V swapped"
+    assert wrong_content(want.flip(2), want) == "tokens of the page reversed"
+    flipped = want.clone()
+    flipped[1, 1, 0, 0, 3] += 1
+    assert wrong_content(flipped, want) == (
+        f"1 of {want.numel()} elements differ, the first at [kv, layer, token, head, dim] [1, 1, 0, 0, 3]: "
+        f"{want[1, 1, 0, 0, 3].item() + 1!r}, want {want[1, 1, 0, 0, 3].item()!r}"
+    )
+
+
+class _Refusing:
+    """A mover whose every other call raises on issue (a full DMA queue), as a driver may."""
+
+    def __init__(self, inner: DeviceMover) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def _issue(self) -> None:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            raise OSError("the DMA queue is full")
+
+    def d2h(self, src: list[int], dst: list[int]) -> object:
+        self._issue()
+        return self.inner.d2h(src, dst)
+
+    def h2d(self, src: list[int], dst: list[int], layer_events: object = None) -> object:
+        self._issue()
+        return self.inner.h2d(src, dst, layer_events)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("machine", ["scheduled", "real"])
+def test_a_mover_that_raises_on_issue_fails_only_its_transfers(machine: str) -> None:
+    """The controller takes a mover's exception on issue as that transfer's failure; the
+    scheduled machines, which make the mover's call when the copy completes, agree: no
+    failure is reported for a mover the cache serves correctly over, and some refused."""
+    refusing: list[_Refusing] = []
+
+    def mover(cache: HiCache) -> DeviceMover:
+        refusing.append(_Refusing(cache.device))
+        return refusing[-1]  # type: ignore[return-value]
+
+    cls = getattr(machines_over(device=mover), machine)
+    config = settings(max_examples=30, stateful_step_count=30, derandomize=True, database=None)
+    run_state_machine_as_test(cls, settings=config)
+    assert sum(m.calls for m in refusing) >= 2
