@@ -12,6 +12,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from hicache.backends.pools import HostPool
 from hicache.backends.stores.base import PageStatus
+from hicache.backends.stores.file import FileStore, StorageFile
 from hicache.spec.model import TABLE, Event, RunState, Tier
 from hicache.spec.request import REQUEST_TABLE, ReqEvent, ReqState
 from hicache.testing.facade_machine import FacadeMachine, G, RealBackendsMachine, SharedStoreMachine, sweep_recipes
@@ -207,3 +208,35 @@ def test_without_the_shared_machine_discover_and_lose_are_not_asked_for() -> Non
     assert missing_transitions([machines.scheduled])[0] == []
     asked, _ = missing_transitions([machines.scheduled, machines.shared])
     assert asked and all("--discover-->" in t or "--lose-->" in t for t in asked), asked
+
+
+class _StaleSlots(FileStore):
+    """A slot store that keeps a slot's first bytes: a later write to a reused slot is
+    acknowledged and dropped (its checksum too), so a read serves the old page."""
+
+    def __init__(self, host: HostPool) -> None:
+        super().__init__(StorageFile(G, 16), host)
+        self.held: set[int] = set()
+
+    def put(self, host_pages: Any, slots: Any, keys: Any) -> list[PageStatus]:
+        fresh = [i for i, s in enumerate(slots) if s not in self.held]
+        self.held.update(slots)
+        if fresh:
+            super().put([host_pages[i] for i in fresh], [slots[i] for i in fresh], None)
+        return [PageStatus.OK] * len(slots)
+
+
+def test_random_runs_catch_a_store_serving_a_reused_slots_old_bytes() -> None:
+    """Random runs alone (no sweep) of the scheduled machine reach restores from L3 that
+    land (``round_trip``), so a store that serves a reused slot's old page fails the content
+    check, naming another page's content. Before that rule, 400 runs of 60 steps missed it."""
+    from hypothesis import Phase
+
+    from hicache.testing.facade_machine import machines_over
+
+    cls = machines_over(store=_StaleSlots).scheduled
+    config = settings(
+        max_examples=200, stateful_step_count=40, derandomize=True, database=None, phases=[Phase.generate]
+    )
+    with pytest.raises(AssertionError, match="holds wrong content: another page's content"):
+        run_state_machine_as_test(cls, settings=config)
