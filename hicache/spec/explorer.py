@@ -153,10 +153,12 @@ def explore_main(
     description: str,
     configs: Collection[str],
     run: Callable[[str, int | None], ExploreReport],
+    prog: str | None = None,
 ) -> int:
     """A command line over named configurations: ``[--config NAME]... [--depth N]``; exit 1
-    if any configuration reports a violation."""
-    ap = argparse.ArgumentParser(description=description)
+    if any configuration reports a violation. ``prog``: how usage names the command (the
+    ``python -m`` line of a module; default: the script's name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--config", choices=sorted(configs), action="append")
     ap.add_argument("--depth", type=int, default=None, help="default: each configuration's own")
     args = ap.parse_args(argv)

@@ -345,7 +345,13 @@ def run(name: str, depth: int | None = None, *, verbose: bool = False) -> Explor
 
 def main(argv: list[str] | None = None) -> int:
     description = "Exhaustively explore the core at small scope."
-    return explore_main(argv, description, CONFIGS, lambda name, depth: run(name, depth, verbose=True))
+    return explore_main(
+        argv,
+        description,
+        CONFIGS,
+        lambda name, depth: run(name, depth, verbose=True),
+        prog="python -m hicache.testing.explore_core",
+    )
 
 
 if __name__ == "__main__":

@@ -484,7 +484,13 @@ def run(name: str, depth: int | None = None, *, verbose: bool = False) -> Explor
 
 def main(argv: list[str] | None = None) -> int:
     description = "Exhaustively explore requests x page runs at small scope."
-    return explore_main(argv, description, CONFIGS, lambda name, depth: run(name, depth, verbose=True))
+    return explore_main(
+        argv,
+        description,
+        CONFIGS,
+        lambda name, depth: run(name, depth, verbose=True),
+        prog="python -m hicache.testing.explore_requests",
+    )
 
 
 if __name__ == "__main__":

@@ -196,3 +196,13 @@ def test_explore_main_help_documents_the_options(
     text = " ".join(capsys.readouterr().out.split())
     assert "Explore the toy." in text and "{a,b}" in text
     assert "--depth DEPTH default: each configuration's own" in text
+
+
+@pytest.mark.parametrize("module", ["explore_core", "explore_requests"])
+def test_the_explorers_usage_names_their_module(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run as ``python -m``, usage names that command, not the file (``explore_core.py``)."""
+    import importlib
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"hicache.testing.{module}").main(["--help"])
+    assert capsys.readouterr().out.startswith(f"usage: python -m hicache.testing.{module} ")
