@@ -579,8 +579,8 @@ class FacadeMachine(RuleBasedStateMachine):
         """A known prompt's pages go down to ``via`` and come back: everything in flight
         lands, L1 (and for L3, L2) is emptied of what is unpinned, the prompt is admitted
         and restored, and its copies land, so the restored pages are checked. Drawn step by
-        step this takes half a dozen rules in order, and random runs seldom reached a
-        restore from L3 that landed (a store serving stale bytes went unnoticed)."""
+        step this takes half a dozen rules in order, which random runs seldom draw: a store
+        that serves stale bytes is caught only by a restore from L3 that lands."""
         prompt = self.prompts[i % len(self.prompts)]
         self._settle()
         whole = len(prompt) - len(prompt) % G.page_size
