@@ -574,15 +574,20 @@ class FacadeMachine(RuleBasedStateMachine):
         self.readmit(i, (), "layered" if layered else "restore")
 
     @precondition(_has_prompts)
-    @rule(i=st.integers(0, 7), via=st.sampled_from([Tier.L2, Tier.L3]), layered=st.booleans())
-    def round_trip(self, i: int, via: Tier, layered: bool) -> None:
+    @rule(i=st.integers(0, 7), via=st.sampled_from([Tier.L2, Tier.L3]), layered=st.booleans(), fresh=st.booleans())
+    def round_trip(self, i: int, via: Tier, layered: bool, fresh: bool) -> None:
         """A known prompt's pages go down to ``via`` and come back: everything in flight
         lands, L1 (and for L3, L2) is emptied of what is unpinned, the prompt is admitted
-        and restored, and its copies land, so the restored pages are checked. Drawn step by
-        step this takes half a dozen rules in order, which random runs seldom draw: a store
-        that serves stale bytes is caught only by a restore from L3 that lands."""
+        and restored, and its copies land, so the restored pages are checked. ``fresh``:
+        every tier is emptied first and the prompt computed again, so its backups take
+        pages and slots others held. Drawn step by step this takes half a dozen rules in
+        order, which random runs seldom draw: a store that serves a reused slot's old bytes
+        is caught only by a restore from L3 that lands."""
         prompt = self.prompts[i % len(self.prompts)]
         self._settle()
+        if fresh:
+            for tier in Tier:
+                self.c.core.evict(tier, 10**6)
         whole = len(prompt) - len(prompt) % G.page_size
         if whole and max(self.c.core.tree.match_prefixes(prompt).lengths) < whole:
             self.admit(list(prompt))  # computed first where nobody has yet
