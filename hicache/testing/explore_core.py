@@ -18,6 +18,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Self
 
 from hicache.core.cache import CacheCore
@@ -346,11 +347,7 @@ def run(name: str, depth: int | None = None, *, verbose: bool = False) -> Explor
 def main(argv: list[str] | None = None) -> int:
     description = "Exhaustively explore the core at small scope."
     return explore_main(
-        argv,
-        description,
-        CONFIGS,
-        lambda name, depth: run(name, depth, verbose=True),
-        prog="python -m hicache.testing.explore_core",
+        argv, description, CONFIGS, partial(run, verbose=True), "python -m hicache.testing.explore_core"
     )
 
 

@@ -24,6 +24,7 @@ import io
 import pickle
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Self, cast
 
 from hicache.core.cache import CacheCore
@@ -485,11 +486,7 @@ def run(name: str, depth: int | None = None, *, verbose: bool = False) -> Explor
 def main(argv: list[str] | None = None) -> int:
     description = "Exhaustively explore requests x page runs at small scope."
     return explore_main(
-        argv,
-        description,
-        CONFIGS,
-        lambda name, depth: run(name, depth, verbose=True),
-        prog="python -m hicache.testing.explore_requests",
+        argv, description, CONFIGS, partial(run, verbose=True), "python -m hicache.testing.explore_requests"
     )
 
 
