@@ -164,6 +164,7 @@ class _Job:
     ticket: TicketLike
     restore: PendingRestore | None  # None: a backup
     l3: StorageTicketLike | None = None  # the same ticket, when it is an L3 one
+    broken: str | None = None  # the ticket raised: the transfer failed (a mover's bug)
 
 
 class Controller:
@@ -401,7 +402,7 @@ class Controller:
         restore = req.restore
         if restore is not None and not restore.finished:
             job = None if restore.transfer is None else self._jobs.get(restore.transfer.id)
-            if job is not None and job.ticket.cancel():  # not started: nothing will land
+            if job is not None and self._cancel(job):  # not started: nothing will land
                 del self._jobs[job.transfer.id]
                 self.core.cancel(job.transfer)
                 self._end_restore(restore, Outcome.CANCELLED, "released before its copy started")
@@ -528,7 +529,7 @@ class Controller:
             job = None if pending.transfer is None else self._jobs.get(pending.transfer.id)
             if job is None:
                 raise IntegrityError("ordering", f"request #{req.id}", "a restore in flight has no transfer")
-            job.ticket.wait()
+            self._landed(job, block=True)
             self._collect()
         self._unreported = [r for r in self._unreported if r is not pending]  # the caller has it
         return pending.outcome is Outcome.DONE
@@ -545,8 +546,9 @@ class Controller:
     def _collect(self) -> None:
         """Advance every transfer in flight; restores that finish wait for the next poll."""
         for job in list(self._jobs.values()):
-            if job.ticket.poll():
-                restore = self._straggle(job) if job.l3 is not None and not job.l3.settled else self._finish(job)
+            if self._landed(job):
+                late = job.l3 is not None and job.broken is None and not job.l3.settled
+                restore = self._straggle(job) if late else self._finish(job)
                 if restore is not None and restore.finished:
                     self._unreported.append(restore)
         for job in list(self._stragglers.values()):
@@ -574,7 +576,41 @@ class Controller:
             if first is None or job.transfer.id < first.transfer.id:
                 first = job
         settle = getattr(first.ticket, "settle", None) if first is not None else None
-        return settle is not None and bool(settle())  # the ticket's settle: whether it waited
+        try:
+            return settle is not None and bool(settle())  # the ticket's settle: whether it waited
+        except Exception as exc:  # a mover's bug: the next poll finds it, through _landed
+            log.warning("hicache: H2D ticket's settle raised: %r", exc)
+            return False
+
+    def _landed(self, job: _Job, *, block: bool = False) -> bool:
+        """Whether ``job``'s ticket has finished (``poll``; ``wait`` when ``block``). A ticket
+        that raises is that transfer's failure, as a mover that raises on issue is: the
+        exception never leaves the controller, and the request recomputes."""
+        if job.broken is not None:
+            return True
+        name = job.transfer.direction.name
+        try:
+            if block:
+                job.ticket.wait()
+            if job.ticket.poll():
+                return True
+        except Exception as exc:
+            log.warning("hicache: %s ticket raised: %r", name, exc)
+            job.broken = f"the {name} ticket raised {exc!r}"
+            return True
+        if block:  # NOTE: the blocking loops would spin on it forever
+            log.warning("hicache: %s ticket's wait returned before its copy finished", name)
+            job.broken = f"the {name} ticket's wait returned before its copy finished"
+        return block
+
+    def _cancel(self, job: _Job) -> bool:
+        """Withdraw ``job``'s copy if it has not started; a ticket whose ``cancel`` raises
+        is taken to have started (its pages stay with the transfer until it finishes)."""
+        try:
+            return bool(job.ticket.cancel())
+        except Exception as exc:
+            log.warning("hicache: %s ticket's cancel raised: %r", job.transfer.direction.name, exc)
+            return False
 
     def _straggle(self, job: _Job) -> PendingRestore | None:
         """An L3 transfer failed by its deadline while its I/O still runs: the request
@@ -683,7 +719,7 @@ class Controller:
                 if job is None:
                     self.metrics.backups_skipped += 1
                 else:
-                    job.ticket.wait()
+                    self._landed(job, block=True)
                     self._finish(job)
             if not victim.alive or not core.tree.is_evictable(victim, Tier.L1):
                 break  # NOTE: cannot happen (nothing else runs); never loop on it
@@ -746,10 +782,10 @@ class Controller:
     def _account(self, job: _Job, ok: bool) -> None:
         d = job.transfer.direction
         stats = self.metrics.directions[d.name]
-        t = job.ticket.timings
         if not ok:
             stats.failed += 1
             return
+        t = job.ticket.timings
         stats.count += 1
         stats.bytes += job.ticket.nbytes
         stats.steady_s += t.recurring_s
@@ -765,8 +801,8 @@ class Controller:
     def _finish(self, job: _Job) -> PendingRestore | None:
         del self._jobs[job.transfer.id]
         transfer, restore = job.transfer, job.restore
-        ok = bool(job.ticket.ok)
-        error = job.ticket.error
+        ok = job.broken is None and bool(job.ticket.ok)
+        error = job.broken or job.ticket.error
         if ok and self.verifier is not None:
             error = self.verifier.verify(transfer.direction, transfer.src, transfer.dst)
             if error is not None:
@@ -912,7 +948,7 @@ class Controller:
             if not self._jobs:
                 return
             for job in list(self._jobs.values()):
-                job.ticket.wait()
+                self._landed(job, block=True)
 
     def close(self) -> None:
         """Release every request (a restore whose copy has not started is withdrawn), withdraw
@@ -928,7 +964,7 @@ class Controller:
             # NOTE: a backup not yet started is worthless once we close, unless it goes to a
             # store that outlives us.
             d = job.transfer.direction
-            if (d is Direction.D2H or (d is Direction.H2S and not keep)) and job.ticket.cancel():
+            if (d is Direction.D2H or (d is Direction.H2S and not keep)) and self._cancel(job):
                 del self._jobs[job.transfer.id]
                 self.core.cancel(job.transfer)
         self.drain()
