@@ -4,6 +4,9 @@ store has are not written again; an unreachable store is no L3."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -205,4 +208,29 @@ def test_a_store_answering_junk_fails_its_requests_and_keeps_every_io_thread(mod
     assert l3_threads() == before > 0
     storage = c.status().storage
     assert storage is not None and storage["failed"] > 0
+    c.close()
+
+
+def test_a_dir_store_whose_directory_was_removed_is_no_l3(tmp_path: Path) -> None:
+    """``rm -r`` of a dir store's directory under a running cache: the store reports itself
+    unavailable (with why), restores stop planning from L3 and backups are skipped, nothing
+    raises, and the pages still in L2 restore bit-exactly."""
+    path = tmp_path / "l3"
+    cfg = dict(l1_pages=8, l2_pages=8, l3_pages=16, policy="always", device="cpu", model_id=MODEL)
+    c = HiCache(HiCacheConfig(G, **cfg, storage_backend="dir", storage_path=str(path)))  # type: ignore[arg-type]
+    kv = compute(c, list(range(8)), seed=7)
+    assert c.storage is not None and c.storage.available and c.core.match(list(range(8))).lengths[2] == 8
+    shutil.rmtree(path)
+    st = c.status().storage
+    assert st is not None and st["available"] is False
+    assert st["error"] == f"L3 directory {path} was removed"
+    c.core.evict(Tier.L1, 10**6)
+    req = c.admit(list(range(8)))
+    assert c.plan(req).tier is Tier.L2  # L3 is out of the plan; L2 still serves
+    assert c.restore(req) and torch.equal(c.l1.buffer[:, :, c.prefix_pages(req)], kv)
+    c.release(req)
+    before = c.metrics.l3_unavailable
+    compute(c, list(range(100, 108)), seed=8)  # its backup to L3 is skipped, not failed mid-write
+    assert c.metrics.l3_unavailable > before
+    c.check_integrity()
     c.close()

@@ -83,7 +83,6 @@ class DirStore:
     keyed = True
     shared = True  # pages written by an earlier process appear at open
     remote = False
-    available = True
 
     def __init__(
         self,
@@ -328,10 +327,24 @@ class DirStore:
                 os.close(fd)  # NOTE: closing the lock file drops the flock
         self.lockfd = self.dirfd = -1
 
+    @property
+    def available(self) -> bool:
+        """False once the directory was removed under us (``rm -r`` of the store): its pages
+        are gone and nothing can be written, so the cache serves on without L3."""
+        if self.dirfd < 0:
+            return False
+        try:
+            return os.fstat(self.dirfd).st_nlink > 0
+        except OSError:
+            return False
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             pages = len(self._lru)
-        return {"path": str(self.path), "pages": pages, "capacity": self.capacity, "fsync": self.fsync, **self.counts}
+        st = {"path": str(self.path), "pages": pages, "capacity": self.capacity, "fsync": self.fsync, **self.counts}
+        if self.dirfd >= 0 and not self.available:
+            st["error"] = f"L3 directory {self.path} was removed"
+        return st
 
     # -- internals ---------------------------------------------------------------------------------
 
