@@ -206,6 +206,62 @@ class ScheduledTicket:
         return True
 
 
+class _CheckedTicket:
+    """A ticket of the embedder's mover as it is, but a ``cancel`` that says it withdrew
+    the copy is held to it (:class:`CheckedMover`)."""
+
+    def __init__(self, real: Any, withdrawn: Callable[[Any], None]) -> None:
+        self._real, self._withdrawn = real, withdrawn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def cancel(self) -> bool:
+        withdrawn = bool(self._real.cancel())
+        if withdrawn:
+            self._withdrawn(self._real)
+        return withdrawn
+
+
+class CheckedMover:
+    """The embedder's mover under the real machine, as it is, except that a ticket's
+    ``cancel`` that returns True is checked at once: its destination pages (still the
+    transfer's) are filled with NaN and the ticket waited for; a page that then holds
+    anything else means the withdrawn copy landed, where the cache has already given the
+    pages back. That is recorded in ``landed`` (the controller takes an exception from
+    ``cancel`` as "not withdrawn") and fails the next invariant check."""
+
+    def __init__(self, real: Any, l1: torch.Tensor, l2: torch.Tensor) -> None:
+        self.real = real
+        self.views = {"D2H": l2, "H2D": l1.transpose(0, 2)}  # NOTE: page-major views
+        self.landed: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def _checked(self, direction: str, dst: Sequence[int], ticket: Any) -> _CheckedTicket:
+        view, pages = self.views[direction], list(dst)
+
+        def withdrawn(real: Any) -> None:
+            view[pages] = float("nan")
+            with contextlib.suppress(Exception):  # NOTE: a ticket that raises failed; the cache said so
+                real.wait()
+            kept = [p for p in pages if not bool(torch.isnan(view[p]).all())]
+            if kept:
+                self.landed.append(
+                    f"the mover's cancel said it withdrew a {direction} copy, which then landed in its "
+                    f"destination pages {kept} (given back to the cache at the cancel)"
+                )
+
+        return _CheckedTicket(ticket, withdrawn)
+
+    def d2h(self, src: Sequence[int], dst: Sequence[int]) -> Any:
+        return self._checked("D2H", dst, self.real.d2h(src, dst))
+
+    def h2d(self, src: Sequence[int], dst: Sequence[int], layer_events: Sequence[Any] | None = None) -> Any:
+        return self._checked("H2D", dst, self.real.h2d(src, dst, layer_events=layer_events))
+
+
 class ScheduledMover:
     """Queues copies on the real backends until :meth:`finish` says complete or fail."""
 
@@ -327,6 +383,7 @@ class FacadeMachine(RuleBasedStateMachine):
         self.requests: list[Request] = []
         self.prompts: list[tuple[int, ...]] = []
         self.store: Any = None  # the L3 store made by make_store (None: the cache's own)
+        self.checked: CheckedMover | None = None  # the mover, under the real machine
 
     @property
     def c(self) -> HiCache:
@@ -388,7 +445,8 @@ class FacadeMachine(RuleBasedStateMachine):
             type(self).stores_seen["persistent" if c.storage.persistent else "transient"] += 1
         _note(f"sizes {sizes}, {policy}")
         if not self.scheduled:
-            c.controller.device = mover
+            self.checked = CheckedMover(mover, c.l1.buffer, c.l2.page_buffer)
+            c.controller.device = self.checked
             return
         host, dev = c.l2.page_buffer, c.l1.buffer.transpose(0, 2)  # NOTE: poison only: page order
 
@@ -777,6 +835,12 @@ class FacadeMachine(RuleBasedStateMachine):
             self.c.check_integrity()
 
     @invariant()
+    def withdrawn_copies_never_land(self) -> None:
+        """A copy the mover's ``cancel`` withdrew writes nothing (real machine)."""
+        if self.checked is not None:
+            assert not self.checked.landed, self.checked.landed[0]
+
+    @invariant()
     def usable_pages_hold_the_request_prefix(self) -> None:
         """Invariant 3: what a request may read (its prefix pages) is already published
         and holds exactly its own prefix's content."""
@@ -824,6 +888,7 @@ class FacadeMachine(RuleBasedStateMachine):
             return
         self.c.check_integrity()
         self.c.close()  # with transfers still queued: withdrawn or drained
+        self.withdrawn_copies_never_land()  # close withdraws the backups not started
         st_ = self.c.core.status()
         assert st_.leases == 0 and st_.tiers[0].private == 0 and sum(st_.transfers_in_flight.values()) == 0
         self.c.core.check_integrity()

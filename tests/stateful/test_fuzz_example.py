@@ -6,8 +6,10 @@ import importlib.util
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from hicache import HiCache
 from hicache.core.geometry import KVGeometry
 from hicache.core.protocols import DeviceMover
-from hicache.testing.facade_machine import machines_over
+from hicache.testing.facade_machine import G, machines_over
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "fuzz_my_loop.py"
 
@@ -97,7 +99,7 @@ def test_each_machine_runs_over_the_mover_it_is_given(machine: str, direction: s
     example = _example()
     cls = getattr(machines_over(l1=example.my_l1, device=example.broken(direction)), machine)
     config = settings(
-        max_examples=200, stateful_step_count=40, derandomize=True, database=None, phases=[Phase.generate]
+        max_examples=160, stateful_step_count=40, derandomize=True, database=None, phases=[Phase.generate]
     )
     with pytest.raises(AssertionError, match="holds wrong content"):
         run_state_machine_as_test(cls, settings=config)
@@ -163,7 +165,7 @@ def test_a_mover_that_rearranges_a_page_is_caught(how: str) -> None:
 
     cls = machines_over(l1=example.my_l1, device=mover).scheduled
     config = settings(  # as in test_each_machine_runs_over_the_mover_it_is_given
-        max_examples=200, stateful_step_count=40, derandomize=True, database=None, phases=[Phase.generate]
+        max_examples=160, stateful_step_count=40, derandomize=True, database=None, phases=[Phase.generate]
     )
     said = {"layers": "layers shifted by one", "k and v": "K and V swapped", "tokens": "tokens of the page reversed"}
     with pytest.raises(AssertionError, match=f"holds wrong content: {said[how]}"):
@@ -229,3 +231,88 @@ def test_a_mover_that_raises_on_issue_fails_only_its_transfers(machine: str) -> 
     config = settings(max_examples=30, stateful_step_count=30, derandomize=True, database=None)
     run_state_machine_as_test(cls, settings=config)
     assert sum(m.calls for m in refusing) >= 2
+
+
+class _LateTicket:
+    """A copy that lands at its ticket's second ``poll`` or at ``wait``: until then it is
+    in flight, as a DMA queued behind others is. ``cancel`` withdraws it if it has not
+    landed; a lying one says so and lets it land at the next ``wait`` all the same."""
+
+    def __init__(self, issue: Callable[[], Any], nbytes: int, lying: bool) -> None:
+        self.issue, self.nbytes, self.lying = issue, nbytes, lying
+        self.ok: bool | None = None
+        self.error: str | None = None
+        self.inner: Any = None
+        self.polls = 0
+        self.withdrawn = False
+
+    @property
+    def extents(self) -> int:
+        return 0 if self.inner is None else int(self.inner.extents)
+
+    @property
+    def timings(self) -> Any:
+        return self.inner.timings
+
+    def _land(self) -> bool:
+        if self.inner is None and not self.withdrawn:
+            self.inner = self.issue()
+            self.inner.wait()
+            if self.ok is None:  # a lying cancel already told the cache it failed
+                self.ok, self.error = self.inner.ok, self.inner.error
+        return self.ok is not None
+
+    def poll(self) -> bool:
+        self.polls += 1
+        return self._land() if self.polls >= 2 else self.ok is not None
+
+    def wait(self) -> bool:
+        self._land()
+        return bool(self.ok)
+
+    def cancel(self) -> bool:
+        if self.inner is not None:
+            return False  # landed: too late
+        self.ok, self.error = False, "withdrawn"
+        self.withdrawn = not self.lying
+        return True
+
+
+class _LateMover:
+    def __init__(self, inner: DeviceMover, lying: bool) -> None:
+        self.inner, self.lying = inner, lying
+        self.withdrawn = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def _ticket(self, issue: Callable[[], Any], pages: int) -> _LateTicket:
+        return _LateTicket(issue, pages * G.bytes_per_page, self.lying)
+
+    def d2h(self, src: list[int], dst: list[int]) -> object:
+        return self._ticket(lambda: self.inner.d2h(src, dst), len(src))
+
+    def h2d(self, src: list[int], dst: list[int], layer_events: object = None) -> object:
+        return self._ticket(lambda: self.inner.h2d(src, dst, layer_events), len(src))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("lying", [False, True])
+def test_the_real_machine_catches_a_cancel_that_lies(lying: bool) -> None:
+    """A mover whose copies land late: with an honest ``cancel`` the real machine passes;
+    with one that says it withdrew a copy that lands all the same, the machine fails
+    naming the copy and its pages."""
+    movers: list[_LateMover] = []
+
+    def mover(cache: HiCache) -> DeviceMover:
+        movers.append(_LateMover(cache.device, lying))
+        return movers[-1]  # type: ignore[return-value]
+
+    cls = machines_over(device=mover).real
+    config = settings(
+        max_examples=100, stateful_step_count=40, derandomize=True, database=None, phases=[Phase.generate]
+    )
+    if not lying:
+        run_state_machine_as_test(cls, settings=config)
+        return
+    with pytest.raises(AssertionError, match=r"cancel said it withdrew a (H2D|D2H) copy, which then landed"):
+        run_state_machine_as_test(cls, settings=config)
