@@ -33,8 +33,9 @@ from hicache.core.cost import CostModel, CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage, KVGeometry, TierSizes
 from hicache.core.keys import encodable, format_seed
 from hicache.core.metrics import Metrics
+from hicache.core.protocols import DeviceMover
 from hicache.core.status import ControllerStatus
-from hicache.errors import ConfigError, MisuseError
+from hicache.errors import ConfigError, HiCacheError, MisuseError
 
 # Storage I/O threads: each is a blocking reader or writer; more than this only adds threads
 # (a typo such as 10**9 would otherwise try to start them all).
@@ -44,6 +45,7 @@ MAX_STORAGE_WORKERS = 256
 MAX_DEADLINE_S = 1e9
 
 
+MOVER_MEMBERS = ("layered", "layer_groups", "d2h", "h2d", "status")  # what the controller calls
 _STORE_MEMBERS = ("kind", "keyed", "shared", "remote", "plan", "put", "get", "exists", "available", "close", "status")
 
 
@@ -57,6 +59,20 @@ def _custom_store(store: Callable[[HostPool], PageStore], l2: HostPool) -> PageS
     if missing:
         raise ConfigError(f"store(l2) must return a PageStore; {type(custom).__name__} lacks {', '.join(missing)}")
     return custom
+
+
+def _custom_mover(mover: Callable[[HiCache], DeviceMover], cache: HiCache) -> DeviceMover:
+    """``mover(cache)``, checked to be a :class:`DeviceMover` (its members present), or ConfigError."""
+    try:
+        made = mover(cache)
+    except HiCacheError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"mover(cache) raised {exc!r}") from exc
+    missing = [m for m in MOVER_MEMBERS if not hasattr(made, m)]
+    if missing:
+        raise ConfigError(f"mover(cache) must return a DeviceMover; {type(made).__name__} lacks {', '.join(missing)}")
+    return made
 
 
 def _default_device() -> str:
@@ -177,14 +193,22 @@ class HiCache:
         l1_buffer: torch.Tensor | None = None,
         *,
         store: Callable[[HostPool], PageStore] | None = None,
+        mover: Callable[[HiCache], DeviceMover] | None = None,
     ) -> None:
         """``store``: makes an L3 page store of your own (a :class:`PageStore`) over the L2
         pool, used in place of the configured ``storage_backend``; ``config.l3_pages`` is
-        then its budget in the tree (a keyed store needs ``config.model_id``)."""
+        then its budget in the tree (a keyed store needs ``config.model_id``).
+
+        ``mover``: makes the L1 <-> L2 mover the cache copies with (a :class:`DeviceMover`),
+        given the cache while it is built: ``config``, ``l1``, ``l2`` and ``device`` (our
+        :class:`TransferEngine`, to wrap or to ignore) are set, nothing else yet. The
+        reference engine drives ``device`` itself, so a mover of your own is for your loop."""
         if not isinstance(config, HiCacheConfig):
             raise ConfigError(f"config must be a HiCacheConfig, got {type(config).__name__}")
         if store is not None and not callable(store):
             raise ConfigError("store must be a callable that takes the L2 pool and returns a PageStore")
+        if mover is not None and not callable(mover):
+            raise ConfigError("mover must be a callable that takes the cache and returns a DeviceMover")
         g = config.geometry
         if l1_buffer is not None:
             _check_l1_buffer(config, l1_buffer)
@@ -216,6 +240,7 @@ class HiCache:
         storage: StoreMover | None = None
         custom: PageStore | None = None
         try:  # NOTE: a refusal past opening the store closes it (its threads, files and lock)
+            copier: DeviceMover = self.device if mover is None else _custom_mover(mover, self)
             if config.l3_pages and store is not None:
                 custom = _custom_store(store, self.l2)
                 if custom.keyed and not config.model_id:
@@ -248,7 +273,7 @@ class HiCache:
             )
             self.controller = Controller(
                 self.core,
-                self.device,
+                copier,
                 storage,
                 CostModel(g.bytes_per_token, config.priors, config.policy),
                 write_policy=config.write_policy,

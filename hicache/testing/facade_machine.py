@@ -49,7 +49,7 @@ from hicache.core.keys import page_keys
 from hicache.core.node import Node
 from hicache.core.protocols import DeviceMover
 from hicache.errors import ConfigError, HiCacheError, MisuseError
-from hicache.facade import HiCache, HiCacheConfig
+from hicache.facade import MOVER_MEMBERS, HiCache, HiCacheConfig
 from hicache.spec.model import TABLE, Event, RunState, Tier
 from hicache.spec.request import REQUEST_TABLE, ReqEvent, ReqState
 from hicache.testing.fake_backend import page_tag
@@ -155,10 +155,6 @@ def wrong_content(got: torch.Tensor, want: torch.Tensor) -> str:
         f"{diff.shape[0]} of {n} elements differ, the first at [kv, layer, token, head, dim] "
         f"{list(at)}: {got[at].item()!r}, want {want[at].item()!r}"
     )
-
-
-# What the cache calls on an L1 <-> L2 mover (hicache.core.protocols.DeviceMover).
-_MOVER_MEMBERS = ("layered", "layer_groups", "d2h", "h2d", "status")
 
 
 def page_content(prefix: Sequence[int]) -> torch.Tensor:
@@ -468,7 +464,7 @@ class FacadeMachine(RuleBasedStateMachine):
         """The mover from :meth:`make_device`, and the store, checked to be what the machine
         calls (ConfigError naming what lacks, before any step runs)."""
         mover = self.make_device(c)
-        missing = [m for m in _MOVER_MEMBERS if not hasattr(mover, m)]
+        missing = [m for m in MOVER_MEMBERS if not hasattr(mover, m)]
         if missing:
             raise ConfigError(
                 f"make_device(cache) must return a DeviceMover; {type(mover).__name__} lacks {', '.join(missing)}"
