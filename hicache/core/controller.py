@@ -479,11 +479,13 @@ class Controller:
                 f"start_restore: a plan needs a Tier and an int of tokens, "
                 f"got tier {plan.tier!r}, tokens {plan.tokens!r}"
             )
+        ps = self.core.page_size
+        if plan.tokens < 0 or (plan.tier is not Tier.L1 and plan.tokens % ps):
+            raise MisuseError(f"start_restore: {plan} does not fit request #{req.id} (hits {req.match.lengths})")
         if plan.tier is Tier.L1 or plan.tokens <= req.cached_len:
             self._move(req, ReqEvent.SKIP, "start_restore")
             return None
-        ps = self.core.page_size
-        if plan.tokens % ps or plan.tokens > req.match[plan.tier].length or (plan.tier is Tier.L3 and not self.storage):
+        if plan.tokens > req.match[plan.tier].length or (plan.tier is Tier.L3 and not self.storage):
             raise MisuseError(f"start_restore: {plan} does not fit request #{req.id} (hits {req.match.lengths})")
         restore = PendingRestore(req, plan, time.perf_counter())
         if not self._commit(restore, layer_events):

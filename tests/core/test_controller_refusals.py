@@ -4,6 +4,7 @@ given can still go on. The movers hold every copy until told (hicache.testing.ta
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,8 @@ from hicache.testing.tag_movers import TagDevice, TagFabric
 from tests.core.test_seed26_controller import PS, _cached, _make
 
 _PLAN_L2 = Plan(Tier.L2, 4, 1.0, 0.1, 1.1)
+_PLAN_NEGATIVE = dataclasses.replace(_PLAN_L2, tokens=-4)
+_PLAN_PART_PAGE = dataclasses.replace(_PLAN_L2, tokens=PS - 1)
 
 _REFUSALS: list[tuple[str, Callable[[Controller, Request], object]]] = [
     (r"^observe_prefill: tokens must be an int in \[1, 2\*\*53\], got 0$", lambda c, req: c.observe_prefill(0, 1.0)),
@@ -46,6 +49,14 @@ _REFUSALS: list[tuple[str, Callable[[Controller, Request], object]]] = [
         rf"^start_restore: {re.escape(str(_PLAN_L2))} does not fit request #1 \(hits \(0, 0, 0\)\)$",
         lambda c, req: c.start_restore(req, _PLAN_L2),
     ),
+    (
+        rf"^start_restore: {re.escape(str(_PLAN_NEGATIVE))} does not fit request #1 \(hits \(0, 0, 0\)\)$",
+        lambda c, req: c.start_restore(req, _PLAN_NEGATIVE),
+    ),
+    (
+        rf"^start_restore: {re.escape(str(_PLAN_PART_PAGE))} does not fit request #1 \(hits \(0, 0, 0\)\)$",
+        lambda c, req: c.start_restore(req, _PLAN_PART_PAGE),
+    ),
     (r"^expected a Request from admit\(\), got int$", lambda c, req: c.plan(7)),  # type: ignore[arg-type]
     (r"^tokens must be a 1-D sequence of ints, got str$", lambda c, req: c.admit("12")),
     (
@@ -62,6 +73,8 @@ _IDS = [
     "note_decode-seconds-str",
     "allocate-count",
     "start_restore-plan-too-long",
+    "start_restore-plan-negative",
+    "start_restore-plan-part-of-a-page",
     "plan-not-a-request",
     "admit-tokens-str",
     "insert-pages-not-private",
