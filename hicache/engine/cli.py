@@ -28,7 +28,8 @@ from hicache.errors import ConfigError, MisuseError
 PROG = "python -m hicache.engine"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STORAGE_BACKENDS = ("file", "dir", "mooncake")
-# What --hicache-storage-backend-extra-config may hold (SGLang's Mooncake keys), and their types.
+# What --hicache-storage-backend-extra-config may hold for each backend, and their types:
+# SGLang's Mooncake keys; the dir store's fsync (off: faster, a crash may lose recent pages).
 EXTRA_CONFIG_KEYS: dict[str, tuple[type, ...]] = {
     "master_server_address": (str,),
     "metadata_server": (str,),
@@ -39,6 +40,7 @@ EXTRA_CONFIG_KEYS: dict[str, tuple[type, ...]] = {
     "local_buffer_size": (int, str),
     "connect_timeout_s": (int, float),
 }
+DIR_EXTRA_CONFIG_KEYS: dict[str, tuple[type, ...]] = {"fsync": (bool,)}
 
 
 class FlagError(ConfigError):
@@ -131,14 +133,15 @@ def json_object(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"{_show(text)}: not valid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"{_show(text)}: must be a JSON object ({{...}})")
+    keys = EXTRA_CONFIG_KEYS | DIR_EXTRA_CONFIG_KEYS
     for key, v in value.items():
-        if key not in EXTRA_CONFIG_KEYS:
-            known = ", ".join(EXTRA_CONFIG_KEYS)
+        if key not in keys:
+            known = f"mooncake: {', '.join(EXTRA_CONFIG_KEYS)}; dir: {', '.join(DIR_EXTRA_CONFIG_KEYS)}"
             raise argparse.ArgumentTypeError(f"{_show(text)}: unknown key {key!r} (known: {known})")
-        if not isinstance(v, EXTRA_CONFIG_KEYS[key]) or isinstance(v, bool):
-            kinds = EXTRA_CONFIG_KEYS[key]
-            named = " or ".join("a string" if t is str else "an integer" for t in kinds)
-            want = "a number" if float in kinds else named
+        kinds = keys[key]
+        if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+            names = {str: "a string", int: "an integer", bool: "true or false"}
+            want = "a number" if float in kinds else " or ".join(names[t] for t in kinds)
             raise argparse.ArgumentTypeError(f"{_show(text)}: {key} must be {want}, got {v!r}")
     return value
 
@@ -251,7 +254,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         type=json_object,
         default=None,
         metavar="JSON",
-        help=f"a JSON object for the storage backend; keys: {', '.join(EXTRA_CONFIG_KEYS)}",
+        help=f"a JSON object for the storage backend; mooncake keys: {', '.join(EXTRA_CONFIG_KEYS)}; "
+        f"dir keys: {', '.join(DIR_EXTRA_CONFIG_KEYS)}",
     )
     h.add_argument(
         "--hicache-storage-path",
@@ -373,10 +377,8 @@ def ineffective_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
         for size, ratio in (("hicache_size", "hicache_ratio"), ("hicache_storage_size", "hicache_storage_ratio")):
             if size in given and ratio in given:
                 out.append(f"{flag[ratio]} has no effect with {flag[size]} (the size wins)")
-        if not no_l3 and args.hicache_storage_backend != "mooncake" and "hicache_storage_backend_extra_config" in given:
-            out.append(
-                "--hicache-storage-backend-extra-config has no effect without --hicache-storage-backend mooncake"
-            )
+        if not no_l3 and args.hicache_storage_backend == "file" and "hicache_storage_backend_extra_config" in given:
+            out.append("--hicache-storage-backend-extra-config has no effect with --hicache-storage-backend file")
         if not no_l3 and args.hicache_storage_backend != "file" and "hicache_storage_direct" in given:
             out.append("--hicache-storage-direct has no effect without --hicache-storage-backend file")
         if not no_l3 and args.hicache_storage_backend == "mooncake" and "hicache_storage_path" in given:
@@ -428,6 +430,15 @@ def check_flags(args: argparse.Namespace) -> None:
     l3 = args.enable_hicache and (args.hicache_storage_size or args.hicache_storage_ratio)
     if l3 and path is None and args.hicache_storage_backend == "dir":
         raise FlagError("--hicache-storage-backend", "dir", "needs --hicache-storage-path (a directory)")
+    extra, backend = args.hicache_storage_backend_extra_config, args.hicache_storage_backend
+    own = {"mooncake": EXTRA_CONFIG_KEYS, "dir": DIR_EXTRA_CONFIG_KEYS}.get(backend)
+    if l3 and extra and own is not None and (foreign := [k for k in extra if k not in own]):
+        other = "dir" if backend == "mooncake" else "mooncake"
+        raise FlagError(
+            "--hicache-storage-backend-extra-config",
+            json.dumps(extra),
+            f"{', '.join(map(repr, foreign))}: for the {other} backend, not {backend} (its keys: {', '.join(own)})",
+        )
     if path is not None and args.enable_hicache:
         p = Path(path)
         if args.hicache_storage_backend == "dir":
@@ -472,7 +483,7 @@ def engine_kwargs(args: argparse.Namespace, net: torch.nn.Module, **overrides: A
     # Only when not the default: an Engine without these keywords still runs the default.
     if args.hicache_storage_backend != "file":
         kw["storage_backend"] = args.hicache_storage_backend
-    if args.hicache_storage_backend_extra_config is not None and args.hicache_storage_backend == "mooncake":
+    if args.hicache_storage_backend_extra_config is not None and args.hicache_storage_backend != "file":
         kw["storage_extra"] = args.hicache_storage_backend_extra_config
     kw.update(overrides)
     if not kw["enable_hicache"]:  # no L2/L3 without it (ineffective_flags says so for flags given)

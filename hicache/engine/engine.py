@@ -1047,3 +1047,10 @@ class Engine:
         self._finished.clear()
         self.cache.close()
         self.runner.close()
+
+    def __enter__(self) -> Engine:
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

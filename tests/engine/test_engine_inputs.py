@@ -50,6 +50,17 @@ def test_a_closed_engine_refuses_every_call() -> None:
     e.close()  # twice is fine
 
 
+def test_an_engine_is_a_context_manager_that_closes() -> None:
+    """``with Engine(...) as e``: the requests still in flight are aborted and the cache
+    closed at the end of the block; a closed engine cannot be entered again."""
+    with engine() as e:
+        e.submit([1, 2, 3, 4, 5], 4)
+        e.step()
+    assert e.cache.closed and e.pending == 0
+    with pytest.raises(MisuseError, match="this Engine is closed"), e:
+        pass
+
+
 @pytest.mark.parametrize("rid", [True, 1.0, [1], "1", None])
 def test_a_request_id_must_be_an_int(rid: Any) -> None:
     """abort and state_of take the int submit() returned; a bool, float or list is refused
