@@ -47,7 +47,7 @@ from hicache.core.metrics import Levels, Metrics
 from hicache.core.node import Lease, Node, Transfer
 from hicache.core.protocols import DeviceMover, PageVerifier, StorageMover, StorageTicketLike, TicketLike
 from hicache.core.status import ControllerStatus
-from hicache.core.tokens import as_tokens
+from hicache.core.tokens import as_tokens, plain_int
 from hicache.core.tree import MatchResult, TierMatch
 from hicache.errors import ConfigError, HandleError, HiCacheError, IntegrityError, MisuseError, TransitionRefused
 from hicache.spec.invariants import Violation, check_all
@@ -248,6 +248,7 @@ class Controller:
         recomputes. :meth:`insert` still hands all the prompt's pages to the tree."""
         self._enter()
         toks = as_tokens(tokens)
+        at_most = plain_int(at_most)  # type: ignore[assignment]
         if at_most is not None and (isinstance(at_most, bool) or not isinstance(at_most, int) or at_most < 0):
             raise MisuseError(f"admit: at_most must be None or an int >= 0, got {at_most!r}")
         match = self.core.match_valid(toks if at_most is None or at_most >= len(toks) else toks[:at_most])
@@ -321,6 +322,7 @@ class Controller:
         give it (with those it holds already) is a MisuseError: waiting would never help."""
         self._enter()
         self._live(req)
+        n = plain_int(n)  # type: ignore[assignment]
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise MisuseError(f"allocate: page count must be an int >= 0, got {n!r}")
         held, capacity = len(req.pages) + len(req.private), self.core.l1.capacity
@@ -420,6 +422,7 @@ class Controller:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Teach the recompute model: ``tokens`` new tokens were prefilled in ``seconds``."""
         self._enter()
+        tokens = plain_int(tokens)  # type: ignore[assignment]
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 < tokens <= MAX_OBSERVED_TOKENS:
             raise MisuseError(f"observe_prefill: tokens must be an int in [1, 2**53], got {tokens!r:.60}")
         _check_seconds("observe_prefill", seconds)

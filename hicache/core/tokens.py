@@ -53,12 +53,15 @@ def as_tokens(tokens: object) -> Tokens:
     # NOTE: one C-level pass: a sum of ints is an int, and any float, complex, Fraction,
     # numpy scalar or string among them makes it something else (or raises).
     try:
-        ok = type(sum(out)) is int
+        with np.errstate(over="ignore"):  # NOTE: numpy integers among them add with wrap-around
+            ok = type(sum(out)) is int
     except TypeError:
         ok = False
     if not ok:
-        bad = next(x for x in out if type(x) is not int and type(x) is not bool)
-        raise MisuseError(f"tokens must be ints, got {bad!r} ({type(bad).__name__})")
+        bad = next((x for x in out if type(x) is not int and type(x) is not bool and not _np_int(x)), None)
+        if bad is not None:
+            raise MisuseError(f"tokens must be ints, got {bad!r} ({type(bad).__name__})")
+        out = tuple(int(x) for x in out)  # numpy integers, as a tokenizer's list may hold
     # NOTE: the range every store can name (keys hash tokens as int64), whichever is used.
     # One C-level pass again: packing them as int64 raises on the first out of range (min
     # and max compare generically and cost twice as much, a tenth of a millisecond on a
@@ -72,6 +75,16 @@ def as_tokens(tokens: object) -> Tokens:
     # NOTE: unpacked, they are plain ints (a bool or an int subclass among them is its
     # value), as the stores hash them and an engine's forward reads them.
     return Tokens(struct.unpack(fmt, packed))
+
+
+def plain_int(x: object) -> object:
+    """A numpy integer as the int it holds; anything else as it is (to be checked)."""
+    return int(x) if isinstance(x, np.integer) else x
+
+
+def _np_int(x: object) -> bool:
+    """A numpy integer scalar (a numpy bool is not one)."""
+    return isinstance(x, np.integer)
 
 
 def bounds(tokens: Tokens) -> tuple[int, int]:

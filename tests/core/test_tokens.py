@@ -21,7 +21,15 @@ class _ListOnly:
 
 @pytest.mark.parametrize(
     "given",
-    [(5, 6, 7), [5, 6, 7], torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7], dtype=torch.int32), np.array([5, 6, 7])],
+    [
+        (5, 6, 7),
+        [5, 6, 7],
+        torch.tensor([5, 6, 7]),
+        torch.tensor([5, 6, 7], dtype=torch.int32),
+        np.array([5, 6, 7]),
+        [np.int64(5), np.int32(6), np.uint8(7)],  # a tokenizer's list of numpy integers
+        (5, np.int16(6), 7),
+    ],
 )
 def test_a_one_dimensional_integer_sequence_becomes_a_tuple_of_ints(given: object) -> None:
     """Tuples, lists, integer tensors and arrays of one dimension give the same tuple of ints."""
@@ -80,3 +88,14 @@ def test_a_bad_token_sequence_is_refused_naming_what_is_wrong(given: object, mes
     first bad token at fault."""
     with pytest.raises(MisuseError, match=f"^{re.escape(message)}$"):
         as_tokens(given)
+
+
+@pytest.mark.parametrize("bad", [np.float64(2.0), np.bool_(True), np.str_("2")])
+def test_numpy_scalars_that_are_not_integers_are_refused(bad: object) -> None:
+    with pytest.raises(MisuseError, match=f"^{re.escape(f'tokens must be ints, got {bad!r} ({type(bad).__name__})')}$"):
+        as_tokens([1, np.int64(2), bad])
+
+
+def test_a_numpy_integer_past_int64_is_refused() -> None:
+    with pytest.raises(MisuseError, match=f"^tokens must be ints in int64 range, got {2**64 - 1}$"):
+        as_tokens([1, np.uint64(2**64 - 1)])
