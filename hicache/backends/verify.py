@@ -45,6 +45,10 @@ class DigestVerifier:
         rows = self.l2.bytes.numpy()  # [page, bytes_per_page], shares memory
         return [xxhash.xxh3_64_intdigest(rows[p]) for p in pages]
 
+    def forget_slots(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self.slot_digests.pop(s, None)
+
     def verify(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> str | None:
         if direction is Direction.H2S:
             for s, t in zip(src, dst, strict=True):

@@ -290,8 +290,12 @@ class Controller:
         if held * ps <= max(req.match.lengths):
             return
         before = self.core.l3.num_free
+        known = self.core.path_pages(req.match.l3.node, Tier.L3) if self.verifier is not None else []
         l3 = self.core.discover(req.tokens, held, keys)
         self.metrics.l3_discovered_pages += max(0, before - self.core.l3.num_free)
+        if self.verifier is not None:  # NOTE: a slot freed and found again holds another page now
+            mine = set(known)
+            self.verifier.forget_slots([s for s in self.core.path_pages(l3.node, Tier.L3) if s not in mine])
         if l3.length > req.match.l3.length:
             req.match = MatchResult(req.match.l1, req.match.l2, l3)
 

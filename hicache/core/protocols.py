@@ -134,3 +134,8 @@ class PageVerifier(Protocol):
     recomputes); None lets it publish."""
 
     def verify(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> str | None: ...
+
+    def forget_slots(self, slots: Sequence[int]) -> None:
+        """These L3 slots now hold pages another instance wrote (a shared store's, found
+        by discovery): whatever digest was taken of them before belongs to other pages."""
+        ...

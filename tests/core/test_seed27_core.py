@@ -49,6 +49,9 @@ class _RejectAll:
     def verify(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> str | None:
         return "digest mismatch"
 
+    def forget_slots(self, slots: Sequence[int]) -> None:
+        pass
+
 
 def _make(
     l3: int = 16,

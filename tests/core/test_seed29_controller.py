@@ -92,6 +92,9 @@ class _AcceptAll:
         self.asked.append((direction, len(dst)))
         return None
 
+    def forget_slots(self, slots: Sequence[int]) -> None:
+        pass
+
 
 def _build(store: type[TagStorage] = TagStorage, verifier: _AcceptAll | None = None) -> tuple[Controller, TagFabric]:
     """A controller whose device and store share one fabric (L1 8, L2 8, L3 16 pages)."""

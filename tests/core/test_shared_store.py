@@ -234,3 +234,27 @@ def test_a_dir_store_whose_directory_was_removed_is_no_l3(tmp_path: Path) -> Non
     assert c.metrics.l3_unavailable > before
     c.check_integrity()
     c.close()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_pages_found_in_slots_this_cache_freed_restore_under_verification(verify: bool) -> None:
+    """Another instance's prompt, discovered into L3 slots this cache used for its own
+    backups and evicted since: with ``verify_pages`` it restores bit-exactly, as without
+    (the verifier kept the old pages' digests for those slots and failed every restore)."""
+    a, store = make()
+    prompt = list(range(500, 516))
+    kv = compute(a, prompt, seed=11)
+    a.close()
+    b, _ = make(store, l3_pages=8, verify_pages=verify)
+    for first in (600, 700, 800):  # b's own prompts: its 8 L3 slots fill and turn over
+        compute(b, list(range(first, first + 16)), seed=first)
+    for _ in range(2):
+        b.core.evict(Tier.L1, 10**6)
+        b.core.evict(Tier.L2, 10**6)
+        req = b.admit(prompt)
+        assert req.hit == (0, 0, 16) and b.restore(req), b.status().metrics["verify_failures"]
+        assert torch.equal(b.l1.buffer[:, :, b.prefix_pages(req)], kv)
+        b.release(req)
+    assert b.metrics.verify_failures == 0
+    b.check_integrity()
+    b.close()
