@@ -354,6 +354,11 @@ class HiCache:
         """Block until every transfer in flight has finished."""
         self.controller.drain()
 
+    def flush(self) -> int:
+        """Back up to L3 every run held only in L1 or L2, blocking; the runs written
+        (:meth:`Controller.flush`; ``close`` does it for a store that outlives the cache)."""
+        return self.controller.flush()
+
     def status(self) -> ControllerStatus:
         """Typed status (``.to_dict()`` for JSON)."""
         return self.controller.status()

@@ -959,10 +959,36 @@ class Controller:
             for job in list(self._jobs.values()):
                 self._landed(job, block=True)
 
+    def flush(self) -> int:
+        """Back up to L3, blocking, every run the tree holds only in L1 or L2: what
+        ``write_back`` and ``write_through_selective`` leave there (they back up what L1
+        evicts, or what is hit often enough), and backups skipped for want of room. L2 copies
+        go first (they need no room), then L1 ones through L2, top-down, each waited for.
+        Returns the runs now in L3 that were not. :meth:`close` calls it for a store that
+        outlives the cache (``dir``, ``mooncake``), so that a restart finds what this
+        process computed; a run that cannot be written (no room, the store down) is skipped."""
+        self._enter()
+        self.drain()
+        core, storage = self.core, self.storage
+        if storage is None or not core.sizes.l2_pages:
+            return 0
+        written = 0
+        for tier in (Tier.L2, Tier.L1):
+            nodes = [n for n in core.tree.iter_nodes() if n.parent is not None]
+            for node in sorted(nodes, key=core.tree.depth_tokens):  # NOTE: top-down: parents first
+                if not node.alive or node.has(Tier.L3) or not node.has(tier):
+                    continue
+                if not storage.available:
+                    return written
+                self._backup(node)  # L2: the H2S; L1: the D2H, whose landing issues the H2S
+                self.drain()
+                written += node.alive and node.has(Tier.L3)
+        return written
+
     def close(self) -> None:
         """Release every request (a restore whose copy has not started is withdrawn), withdraw
-        backups not yet started (except to a persistent store), drain the rest, close
-        storage. Afterwards every call but ``close`` raises MisuseError."""
+        backups not yet started (except to a persistent store, which is then flushed),
+        drain the rest, close storage. Afterwards every call but ``close`` raises MisuseError."""
         if self.closed:
             return
         self._enter()
@@ -973,10 +999,12 @@ class Controller:
             # NOTE: a backup not yet started is worthless once we close, unless it goes to a
             # store that outlives us.
             d = job.transfer.direction
-            if (d is Direction.D2H or (d is Direction.H2S and not keep)) and self._cancel(job):
+            if not keep and d in (Direction.D2H, Direction.H2S) and self._cancel(job):
                 del self._jobs[job.transfer.id]
                 self.core.cancel(job.transfer)
         self.drain()
+        if keep:
+            self.flush()
         if self.storage is not None:
             self.storage.close()
         for job in self._stragglers.values():  # I/O past its deadline at close: we are done with its pages

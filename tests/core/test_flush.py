@@ -1,0 +1,82 @@
+"""What a cache computed reaches a store that outlives it, whatever the write policy:
+``close`` flushes L1 and L2 to a persistent store (``write_back`` and
+``write_through_selective`` back up only what L1 evicts or what is hit often enough), so a
+restarted cache restores every prompt bit-exactly; ``flush`` does it on demand."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache import HiCache, HiCacheConfig
+from hicache.core.geometry import KVGeometry
+from hicache.spec.model import Tier
+
+G = KVGeometry(2, 1, 4, 2, torch.float32)
+PROMPTS = [list(range(s, s + 8)) for s in (0, 100, 200)] + [
+    [*range(8), 50, 51, 52, 53]
+]  # 4, 4, 4, 6 pages (2 tokens a page)
+
+
+def cache(path: Path, policy: str, l2_pages: int = 16) -> HiCache:
+    sizes = HiCacheConfig(G, l1_pages=16, l2_pages=l2_pages, l3_pages=32, device="cpu", policy="always")
+    l3 = dataclasses.replace(sizes, storage_backend="dir", storage_path=str(path), model_id="m")
+    return HiCache(dataclasses.replace(l3, write_policy=policy))
+
+
+def compute(c: HiCache, tokens: list[int], seed: int) -> torch.Tensor:
+    req = c.admit(tokens)
+    n = len(tokens) // G.page_size - req.cached_len // G.page_size
+    pages = c.allocate(req, n)
+    assert pages is not None
+    c.l1.buffer[:, :, pages] = torch.randn(
+        c.l1.buffer[:, :, pages].shape, generator=torch.Generator().manual_seed(seed)
+    )
+    c.insert(req, pages)
+    kv = c.l1.buffer[:, :, c.prefix_pages(req)].clone()
+    c.release(req)
+    return kv
+
+
+@pytest.mark.parametrize("l2_pages", [16, 6], ids=["l2-roomy", "l2-of-the-longest-path"])
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_a_restarted_cache_restores_every_prompt_the_last_one_computed(
+    tmp_path: Path, policy: str, l2_pages: int
+) -> None:
+    path = tmp_path / "l3"
+    first = cache(path, policy, l2_pages)
+    kvs = [compute(first, p, seed=i) for i, p in enumerate(PROMPTS)]
+    first.close()
+    with cache(path, policy, l2_pages) as again:
+        for p, kv in zip(PROMPTS, kvs, strict=True):
+            req = again.admit(p)
+            assert req.hit[2] == len(p), (p, req.hit)  # (the last shares the first's first 8 tokens)
+            assert again.restore(req)
+            assert torch.equal(again.l1.buffer[:, :, again.prefix_pages(req)], kv)
+            again.release(req)
+        again.check_integrity()
+
+
+def test_flush_writes_what_write_back_left_in_l1_and_counts_it(tmp_path: Path) -> None:
+    with cache(tmp_path / "l3", "write_back") as c:
+        for i, p in enumerate(PROMPTS[:2]):
+            compute(c, p, seed=i)
+        assert all(c.core.match(p).lengths == (8, 0, 0) for p in PROMPTS[:2])
+        assert c.flush() == 2
+        assert all(c.core.match(p).lengths == (8, 8, 8) for p in PROMPTS[:2])
+        assert c.flush() == 0  # nothing left to write
+        c.check_integrity()
+        c.core.evict(Tier.L1, 10**6)
+        c.core.evict(Tier.L2, 10**6)
+        assert c.admit(PROMPTS[0]).hit == (0, 0, 8)
+
+
+def test_close_does_not_flush_a_store_that_goes_with_the_cache() -> None:
+    """The default file store vanishes with the cache: close writes nothing more to it."""
+    c = HiCache(HiCacheConfig(G, l1_pages=16, l2_pages=8, l3_pages=32, device="cpu", write_policy="write_back"))
+    compute(c, PROMPTS[0], seed=0)
+    c.close()
+    assert c.metrics.directions["H2S"].count == 0
