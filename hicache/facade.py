@@ -447,7 +447,9 @@ def _close_quietly(store: object) -> None:
 
 def _first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message (torch's carry C++ frames after it), at most 200
-    characters."""
+    characters; a size torch cannot even take (past int64) is said so."""
+    if isinstance(exc, (TypeError, OverflowError)):
+        return "more than a tensor can hold"
     text = str(exc).strip()
     line = text.splitlines()[0] if text else type(exc).__name__
     return line if len(line) <= 200 else line[:197] + "..."

@@ -467,6 +467,20 @@ def test_an_l1_pool_too_large_to_allocate_is_a_flag_error(capsys: pytest.Capture
     )
 
 
+def test_an_l1_pool_past_what_a_tensor_holds_says_so_without_torch_internals(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run_main(["--num-pages", "99999999999999999999"], capsys)
+    lines = [ln for ln in err.splitlines() if not ln.startswith("warning: ")]
+    assert code == 2 and out == "" and len(lines) == 1
+    assert lines[0].endswith(" GiB: more than a tensor can hold"), lines[0]
+
+
+def test_the_seed_is_an_integer_like_every_other_count(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(["--seed", "1e3"], capsys)
+    assert (code, err.splitlines()[-1]) == (2, "error: --seed 1e3: not an integer")
+
+
 def test_paged_attention_on_a_cpu_is_a_flag_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -139,6 +139,16 @@ def test_an_l3_directory_that_cannot_be_made_is_a_config_error() -> None:
         HiCache(config)
 
 
+@pytest.mark.parametrize("path", ["/proc/version", "/proc/hicache-l3"])
+def test_an_l3_file_on_a_file_system_that_stores_nothing_says_so(path: str) -> None:
+    """/proc holds no data: the refusal says so, not "only 0 bytes free" (which sent the
+    user looking for disk space)."""
+    g = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32)
+    config = HiCacheConfig(g, l1_pages=4, l2_pages=4, l3_pages=4, storage_path=path, device="cpu")
+    with pytest.raises(ConfigError, match=rf"^L3 path {path}: on a file system that stores no data \(such as /proc\)"):
+        HiCache(config)
+
+
 def test_engine_takes_its_model_by_keyword_once() -> None:
     e = Engine(model="tiny", device="cpu", num_pages=16)
     assert e.config.model == "tiny"

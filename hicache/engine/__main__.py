@@ -44,6 +44,7 @@ try:
         given_flags,
         ineffective_flags,
         int_between,
+        integer,
         port,
         served_from,
         warn,
@@ -70,7 +71,7 @@ def parser() -> ArgParser:
     w.add_argument("--suffix-tokens", type=int_between(0, 1_000_000), default=8, help="random tokens after the prefix")
     w.add_argument("--max-new-tokens", type=int_between(1, 1_000_000), default=4, help="tokens generated per request")
     w.add_argument("--concurrency", type=int_between(1, 100_000), default=4, help="requests in flight at once")
-    w.add_argument("--seed", type=int, default=0, help="seed of the workload (prompts)")
+    w.add_argument("--seed", type=integer, default=0, help="seed of the workload (prompts)")
     w.add_argument(
         "--json",
         action="store_true",

@@ -74,6 +74,10 @@ def _number(kind: Callable[[str], float], text: str, what: str) -> float:
     return value
 
 
+def integer(text: str) -> int:
+    return int(_number(int, text, "an integer"))
+
+
 def positive_int(text: str) -> int:
     value = int(_number(int, text, "an integer"))
     if value < 1:

@@ -137,6 +137,9 @@ class StorageFile:
         parent = p.parent if str(p.parent) else Path(".")
         if not parent.is_dir():
             raise ConfigError(f"L3 path {p}: directory {parent} does not exist")
+        vfs = os.statvfs(parent)
+        if vfs.f_blocks == 0:  # NOTE: /proc, /sys: "0 free" would send the user looking for space
+            raise ConfigError(f"L3 path {p}: on a file system that stores no data (such as /proc); give a disk path")
         existing = 0
         if p.exists():
             st = p.lstat()
@@ -147,7 +150,6 @@ class StorageFile:
             existing = st.st_size
         elif not os.access(parent, os.W_OK | os.X_OK):
             raise ConfigError(f"L3 path {p}: directory {parent} is not writable")
-        vfs = os.statvfs(parent)
         free = vfs.f_bavail * vfs.f_frsize + existing
         if free < self.size:
             raise ConfigError(f"L3 path {p}: needs {self.size} bytes, only {free} free on that file system")
