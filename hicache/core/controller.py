@@ -987,8 +987,9 @@ class Controller:
 
     def close(self) -> None:
         """Release every request (a restore whose copy has not started is withdrawn), withdraw
-        backups not yet started (except to a persistent store, which is then flushed),
-        drain the rest, close storage. Afterwards every call but ``close`` raises MisuseError."""
+        backups not yet started (except H2S to a persistent store), drain the rest, then
+        :meth:`flush` to a persistent store (the D2H withdrawn included), close storage.
+        Afterwards every call but ``close`` raises MisuseError."""
         if self.closed:
             return
         self._enter()
@@ -999,7 +1000,7 @@ class Controller:
             # NOTE: a backup not yet started is worthless once we close, unless it goes to a
             # store that outlives us.
             d = job.transfer.direction
-            if not keep and d in (Direction.D2H, Direction.H2S) and self._cancel(job):
+            if (d is Direction.D2H or (d is Direction.H2S and not keep)) and self._cancel(job):
                 del self._jobs[job.transfer.id]
                 self.core.cancel(job.transfer)
         self.drain()
