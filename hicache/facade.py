@@ -49,30 +49,29 @@ MOVER_MEMBERS = ("layered", "layer_groups", "d2h", "h2d", "status")  # what the 
 _STORE_MEMBERS = ("kind", "keyed", "shared", "remote", "plan", "put", "get", "exists", "available", "close", "status")
 
 
+def _built(factory: Callable[[Any], Any], arg: object, call: str, kind: str, members: Sequence[str]) -> Any:
+    """``factory(arg)``, checked to have ``members`` (what the cache calls on a ``kind``),
+    or ConfigError naming the ``call``: one that raised, or what its result lacks."""
+    try:
+        made = factory(arg)
+    except HiCacheError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{call} raised {exc!r}") from exc
+    missing = [m for m in members if not hasattr(made, m)]
+    if missing:
+        raise ConfigError(f"{call} must return a {kind}; {type(made).__name__} lacks {', '.join(missing)}")
+    return made
+
+
 def _custom_store(store: Callable[[HostPool], PageStore], l2: HostPool) -> PageStore:
     """``store(l2)``, checked to be a :class:`PageStore` (its members present), or ConfigError."""
-    try:
-        custom = store(l2)
-    except Exception as exc:
-        raise ConfigError(f"store(l2) raised {exc!r}") from exc
-    missing = [m for m in _STORE_MEMBERS if not hasattr(custom, m)]
-    if missing:
-        raise ConfigError(f"store(l2) must return a PageStore; {type(custom).__name__} lacks {', '.join(missing)}")
-    return custom
+    return _built(store, l2, "store(l2)", "PageStore", _STORE_MEMBERS)  # type: ignore[no-any-return]
 
 
 def _custom_mover(mover: Callable[[HiCache], DeviceMover], cache: HiCache) -> DeviceMover:
     """``mover(cache)``, checked to be a :class:`DeviceMover` (its members present), or ConfigError."""
-    try:
-        made = mover(cache)
-    except HiCacheError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"mover(cache) raised {exc!r}") from exc
-    missing = [m for m in MOVER_MEMBERS if not hasattr(made, m)]
-    if missing:
-        raise ConfigError(f"mover(cache) must return a DeviceMover; {type(made).__name__} lacks {', '.join(missing)}")
-    return made
+    return _built(mover, cache, "mover(cache)", "DeviceMover", MOVER_MEMBERS)  # type: ignore[no-any-return]
 
 
 def _default_device() -> str:
