@@ -162,6 +162,12 @@ class HiCacheConfig:
             raise ConfigError(f"device {self.device!r}: this torch build has no usable CUDA device")
         if dev.type not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        if dev.type == "cpu" and dev.index not in (None, 0):
+            raise ConfigError(f"device {self.device!r}: the host is one device, 'cpu' (or 'cpu:0')")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), indexed from 0"
+            )
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if self.l2_pages * self.geometry.bytes_per_page > host:
             raise ConfigError(

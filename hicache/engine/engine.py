@@ -322,6 +322,12 @@ class Engine:
             raise ConfigError(f"config must be an EngineConfig or a model name, got {type(config).__name__}")
         elif options:
             raise ConfigError(f"give either an EngineConfig or keyword settings, not both: {sorted(options)}")
+        if config.layered_restore and not config.enabled:
+            warnings.warn(
+                "layered_restore=True has no effect without hicache (no L2 pages: nothing is restored)",
+                UserWarning,
+                stacklevel=2,
+            )
         cc = config.cache
         g = cc.geometry
         if net is None:

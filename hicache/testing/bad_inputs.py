@@ -357,6 +357,20 @@ def catalogue() -> list[BadInput]:
         ),
         BadInput(
             "config",
+            "a CPU device number (the host is one device)",
+            lambda: HiCacheConfig(G, l1_pages=4, device="cpu:5"),
+            ConfigError,
+            "one device",
+        ),
+        BadInput(
+            "config",
+            "a CUDA device number past the machine's devices",
+            lambda: HiCacheConfig(G, l1_pages=4, device=f"cuda:{max(torch.cuda.device_count(), 1) + 7}"),
+            ConfigError,
+            "CUDA device",
+        ),
+        BadInput(
+            "config",
             "selective_hits = 0",
             lambda: HiCacheConfig(G, l1_pages=4, selective_hits=0),
             ConfigError,

@@ -99,5 +99,10 @@ def test_tier_sizes_without_enable_hicache_warn_that_they_do_nothing() -> None:
     e.close()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for kw in ({}, {"enable_hicache": True, "l2_pages": 8}):
+        for kw in ({}, {"enable_hicache": True, "l2_pages": 8}, {"enable_hicache": True, "l2_pages": 8,
+                                                                 "layered_restore": True}):  # fmt: skip
             Engine("tiny", device="cpu", num_pages=16, **kw).close()  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match="layered_restore=True has no effect without hicache") as seen:
+        e = Engine("tiny", device="cpu", num_pages=16, layered_restore=True)
+    assert seen[0].filename == __file__ and not e.layered  # the caller's line, not the engine's
+    e.close()
