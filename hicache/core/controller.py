@@ -352,18 +352,25 @@ class Controller:
         for ``[0, cached_len)`` (our duplicates of pages the tree already had are freed).
         Where the tree refuses pages (a restore into that run is in flight), ``cached_len``
         stays short of ``aligned`` and those pages remain the request's own. Write-through
-        starts per the write policy."""
+        starts per the write policy. ``pages``: ints as :meth:`allocate` handed them out, or
+        numpy integers, or a 1-D integer tensor or array."""
         self._enter()
         self._live(req)
+        if _one_d_array(pages):  # an engine's page table row: a 1-D tensor or array of ids
+            pages = pages.tolist()  # type: ignore[attr-defined]
         if isinstance(pages, (str, bytes)) or not isinstance(pages, Sequence):
             raise MisuseError(f"insert: pages must be a sequence of page ids, got {type(pages).__name__}")
         self._next(req, ReqEvent.INSERT, "insert")
         ps = self.core.page_size
         aligned = len(req.tokens) - len(req.tokens) % ps
-        own = list(pages)
+        given = [plain_int(p) for p in pages]  # numpy integers as the ints allocate() handed out
         mine = set(req.private)
         # NOTE: types first: set() of an unhashable id would raise a bare TypeError
-        if any(type(p) is not int for p in own) or len(set(own)) != len(own) or not mine.issuperset(own):
+        own = [DevicePage(p) for p in given if type(p) is int]
+        if len(own) != len(given):
+            odd = next(p for p in given if type(p) is not int)
+            raise MisuseError(f"insert: page ids must be ints, got {odd!r} ({type(odd).__name__})")
+        if len(set(own)) != len(own) or not mine.issuperset(own):
             raise MisuseError("insert: pages must be distinct private pages allocated for this request")
         need = aligned // ps - req.cached_len // ps
         if len(own) < need:
@@ -1037,6 +1044,11 @@ def parse_write_policy(value: object) -> WritePolicy:
         return WritePolicy(value)  # type: ignore[arg-type]
     except ValueError:
         raise ConfigError(f"write_policy must be one of {[p.value for p in WritePolicy]}, got {value!r}") from None
+
+
+def _one_d_array(value: object) -> bool:
+    """A 1-D tensor or array (not a sequence in Python's sense, yet a list of ids to a caller)."""
+    return not isinstance(value, Sequence) and hasattr(value, "tolist") and getattr(value, "ndim", None) == 1
 
 
 def check_selective_hits(value: object) -> None:

@@ -58,9 +58,9 @@ def as_tokens(tokens: object) -> Tokens:
     except TypeError:
         ok = False
     if not ok:
-        bad = next((x for x in out if type(x) is not int and type(x) is not bool and not _np_int(x)), None)
-        if bad is not None:
-            raise MisuseError(f"tokens must be ints, got {bad!r} ({type(bad).__name__})")
+        bad = [x for x in out if type(x) is not int and type(x) is not bool and not _np_int(x)][:1]
+        if bad:  # NOTE: a list, not next(..., None): a None token is one to report
+            raise MisuseError(f"tokens must be ints, got {bad[0]!r} ({type(bad[0]).__name__})")
         out = tuple(int(x) for x in out)  # numpy integers, as a tokenizer's list may hold
     # NOTE: the range every store can name (keys hash tokens as int64), whichever is used.
     # One C-level pass again: packing them as int64 raises on the first out of range (min

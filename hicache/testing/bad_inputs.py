@@ -171,6 +171,7 @@ def catalogue() -> list[BadInput]:
         ),
         BadInput("tokens", "empty", lambda: core.match([]), MisuseError, "empty", snap),
         BadInput("tokens", "floats", lambda: core.match([1.5, 2.0]), MisuseError, "1.5", snap),
+        BadInput("tokens", "a None among them", lambda: core.match([1, None, 2]), MisuseError, "None", snap),
         BadInput(
             "tokens", "2-D tensor", lambda: core.match(torch.zeros(2, 2, dtype=torch.long)), MisuseError, "(2, 2)", snap
         ),
@@ -445,7 +446,7 @@ def catalogue() -> list[BadInput]:
             "insert a page id that is a list",
             lambda: cache.insert(live, [cast(Any, [5])]),
             MisuseError,
-            "private pages",
+            "page ids must be ints, got [5] (list)",
             state,
         ),
         BadInput(

@@ -351,6 +351,35 @@ def test_a_directory_of_other_files_is_refused_and_left_as_it_was(tmp_path: Path
     assert stat.S_IMODE(mine.stat().st_mode) == 0o755
 
 
+def test_a_store_being_made_by_another_opener_is_in_use_not_a_strangers_directory(tmp_path: Path) -> None:
+    """Two processes opening one new directory at once: the one that finds the other's
+    FORMAT.tmp (its store half made, its lock held) is told the store is in use. A FORMAT.tmp
+    left by an opener that died before its rename is made over, under the lock."""
+    import fcntl
+
+    path = tmp_path / "l3"
+    path.mkdir(mode=0o700)
+    (path / "FORMAT.tmp").write_bytes(b"hicache-dir-store")  # the other opener, mid-write
+    fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.pwrite(fd, b"999999\n", 0)
+        with pytest.raises(ConfigError, match=r"in use by another process \(pid 999999\)"):
+            dir_store(path)
+        assert sorted(p.name for p in path.iterdir()) == ["FORMAT.tmp", "LOCK"]  # theirs, untouched
+    finally:
+        os.close(fd)  # the other opener died before its rename
+    s = dir_store(path)
+    fill(s.host, [0], [0])
+    assert s.write([0], [0], KEYS[:1]).wait()
+    s.close()
+    assert "FORMAT.tmp" not in {p.name for p in path.iterdir()}
+    again = dir_store(path)
+    assert again.exists(KEYS[:1]) == 1
+    assert again.read([0], [3], KEYS[:1]).wait() and torch.equal(again.host.bytes[3], page_bytes(0))
+    again.close()
+
+
 def test_an_existing_directory_keeps_its_mode_unless_others_may_write(tmp_path: Path) -> None:
     """An empty directory of mode 0755 is adopted as it is (pages are 0600 files); one
     others may write into is refused, its mode unchanged; a new one is made 0700."""

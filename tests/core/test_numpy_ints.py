@@ -4,6 +4,8 @@ numpy floats and bools are still refused."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -42,3 +44,55 @@ def test_numpy_floats_and_bools_are_still_refused(bad: object) -> None:
             c.admit([1, 2], at_most=bad)  # type: ignore[arg-type]
         assert c.allocate(req, 1) is not None  # the request goes on
         c.release(req)
+
+
+@pytest.mark.parametrize(
+    "as_given",
+    [
+        lambda pages: [np.int64(p) for p in pages],
+        lambda pages: np.asarray(pages),
+        lambda pages: torch.tensor(pages),
+        lambda pages: torch.tensor(pages, dtype=torch.int32),
+    ],
+    ids=["numpy ints", "numpy array", "tensor", "int32 tensor"],
+)
+def test_insert_takes_page_ids_as_an_engine_keeps_them(as_given: object) -> None:
+    """The ids allocate() handed out, back as numpy integers or a 1-D array or tensor (an
+    engine's page table row), are the same pages: inserted, and in the tree."""
+    with HiCache(HiCacheConfig(G, l1_pages=8, l2_pages=8, device="cpu")) as c:
+        req = c.admit(list(range(9)))
+        pages = c.allocate(req, 5)
+        assert pages is not None
+        assert c.insert(req, as_given(pages[:4])) == 8  # type: ignore[operator]
+        assert c.prefix_pages(req) == pages[:4] and req.private == [pages[4]]
+        c.release(req)
+        again = c.admit(list(range(9)))
+        assert again.cached_len == 8
+        c.release(again)
+        c.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        (lambda pages: [float(p) for p in pages], "page ids must be ints, got 0.0 (float)"),
+        (lambda pages: [np.bool_(True)], "page ids must be ints, got"),
+        (lambda pages: [True], "page ids must be ints, got True (bool)"),
+        (lambda pages: torch.tensor(pages, dtype=torch.float32), "page ids must be ints, got 0.0 (float)"),
+        (lambda pages: torch.tensor([pages]), "pages must be a sequence of page ids, got Tensor"),
+        (lambda pages: [pages[0], pages[0]], "pages must be distinct private pages"),
+    ],
+    ids=["floats", "numpy bool", "bool", "float tensor", "2-D tensor", "duplicates"],
+)
+def test_insert_refuses_page_ids_that_are_not_ints_and_changes_nothing(bad: object, says: str) -> None:
+    with HiCache(HiCacheConfig(G, l1_pages=8, l2_pages=8, device="cpu")) as c:
+        req = c.admit(list(range(9)))
+        pages = c.allocate(req, 5)
+        assert pages == [0, 1, 2, 3, 4]
+        before = c.status()
+        with pytest.raises(MisuseError, match=f"^insert: {re.escape(says)}"):
+            c.insert(req, bad(pages[:4]))  # type: ignore[operator]
+        assert c.status() == before and req.private == pages and req.cached_len == 0
+        assert c.insert(req, pages[:4]) == 8  # the request goes on as if nothing was tried
+        c.release(req)
+        c.check_integrity()

@@ -478,9 +478,13 @@ def _open_dir(path: Path) -> int:
 def _check_adoptable(dirfd: int, path: Path) -> set[str]:
     """A directory without a store (no FORMAT file) must hold nothing but a lock file:
     opening a store scans it and deletes what looks like a broken page or temp file, so it
-    never adopts a user's directory. Returns the names it holds."""
+    never adopts a user's directory. Returns the names it holds.
+
+    A ``FORMAT.tmp`` is a store being made: by another opener (it holds the lock: ours is
+    refused as in use, not as a stranger's directory) or by one that died before its
+    rename (under the lock, the store is made again over it)."""
     names = set(os.listdir(dirfd))
-    foreign = sorted(names - {"LOCK"})
+    foreign = sorted(names - {"LOCK", "FORMAT.tmp"})
     if "FORMAT" not in names and foreign:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise ConfigError(
