@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import warnings
 import weakref
@@ -176,6 +177,18 @@ class HiCacheConfig:
             )
 
 
+def _check_memory_for_l1(config: HiCacheConfig) -> None:
+    """An L1 pool larger than the device's whole memory is refused in these words, before
+    the allocator's own (a C++ source line, or nothing for a size past a tensor's)."""
+    dev = torch.device(config.device)
+    if dev.type == "cpu":
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's host memory"
+    else:
+        have, where = torch.cuda.get_device_properties(dev).total_memory, f"the memory of {config.device}"
+    if config.l1_pages * config.geometry.bytes_per_page > have:
+        raise MemoryError(f"more than {where} ({have / 2**30:.1f} GiB)")
+
+
 def _check_l1_buffer(config: HiCacheConfig, buffer: object) -> None:
     validate_l1(config.geometry, buffer)
     assert isinstance(buffer, torch.Tensor)  # validate_l1 refuses anything else
@@ -221,6 +234,8 @@ class HiCache:
         self.config = config
         self.faults = FaultInjector()
         try:
+            if l1_buffer is None:
+                _check_memory_for_l1(config)
             self.l1 = (
                 DevicePool(g, l1_buffer)
                 if l1_buffer is not None
@@ -457,4 +472,5 @@ def _first_line(exc: BaseException) -> str:
         return "more than a tensor can hold"
     text = str(exc).strip()
     line = text.splitlines()[0] if text else type(exc).__name__
+    line = re.sub(r"^\[enforce fail at [^\]]*\] (err == 0\. )?", "", line)  # c10's source line, not a reason
     return line if len(line) <= 200 else line[:197] + "..."

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import socket
 import subprocess
@@ -28,6 +29,7 @@ pytest.importorskip("transformers")
 
 SMALL = ["--requests", "2", "--prefix-tokens", "20", "--suffix-tokens", "2", "--max-new-tokens", "1"]
 PRESETS = "llama-tiny, qwen3-4b, qwen3-8b, tiny"
+HOST_GIB = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -54,6 +56,11 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["--num-pages", "10"],
             "error: --num-pages 10: no room in L1 for a prompt of 358 tokens "
             "(with 4 new tokens it needs 23 pages of 16)",
+        ),
+        (
+            ["--prefix-tokens", "100000"],  # the flag written is named, not a default never typed
+            "error: --prefix-tokens 100000: no room in L1 for a prompt of 100008 tokens "
+            "(with 4 new tokens it needs 6251 pages of 16; --num-pages is 4096)",
         ),
         (["--num-pages", "0"], "error: --num-pages 0: must be an integer >= 1"),
         (["--num-pages", "-5"], "error: --num-pages -5: must be an integer >= 1"),
@@ -145,8 +152,12 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
             "error: --hicache-storage-backend-extra-config: mooncake extra config needs master_server_address "
             "('host:port')",
         ),
-        (["--frobnicate"], "error: unrecognized arguments: --frobnicate"),
-        (["--hicache-rat", "2"], "error: unrecognized arguments: --hicache-rat 2"),
+        (["--frobnicate"], "error: --frobnicate: unknown flag (see --help)"),
+        (["--hicache-rat", "2"], "error: --hicache-rat 2: unknown flag (did you mean --hicache-ratio?)"),
+        (["--hicache-rat=2"], "error: --hicache-rat 2: unknown flag (did you mean --hicache-ratio?)"),
+        (["--frobnicate", "--num-pages", "3"], "error: --frobnicate: unknown flag (see --help)"),
+        (["tiny"], "error: tiny: not a flag (every setting is a --flag; see --help)"),
+        (["--enable-hicache=1"], "error: --enable-hicache 1: the flag takes no value"),
         (
             ["--model", "nosuch"],
             f"error: --model nosuch: not a preset ({PRESETS}) nor a checkpoint directory (config.json)",
@@ -194,7 +205,7 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         ),
         (
             [*l3, "--hicache-storage-size", "1e-9"],
-            "error: --hicache-storage-size 1e-09: less than one L3 page (8 KiB)",
+            "error: --hicache-storage-size 1e-9: less than one L3 page (8 KiB)",  # as written, not 1e-09
         ),
         (
             [*l3, "--hicache-storage-ratio", "0.0001"],
@@ -227,7 +238,7 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         ),
         (
             ["--enable-hicache", "--hicache-prior-recompute-us", "1e-320"],
-            "error: --hicache-prior-recompute-us 9.99989e-321: cost prior recompute_s_per_token must be a positive "
+            "error: --hicache-prior-recompute-us 1e-320: cost prior recompute_s_per_token must be a positive "
             "number up to 1e300, got 0.0",
         ),
         (
@@ -342,12 +353,24 @@ def args_of(argv: list[str]) -> tuple[argparse.Namespace, set[str]]:
             "--hicache-storage-backend-extra-config has no effect with --hicache-storage-backend file",
         ),
         (["--device", "cpu", "--attention-cudnn", "on"], "--attention-cudnn has no effect on CPU"),
+        (
+            ["--enable-hicache", "--hicache-storage-size", "0", "--hicache-storage-ratio", "2"],
+            "--hicache-storage-ratio has no effect with --hicache-storage-size (the size wins; 0: no L3)",
+        ),
     ],
 )
 def test_a_flag_that_changes_nothing_warns(argv: list[str], warning: str) -> None:
     """Each flag that has no effect with the others is named in a warning."""
     args, given = args_of(argv)
     assert warning in ineffective_flags(args, given)
+
+
+def test_a_flag_that_is_refused_is_not_also_called_ineffective(capsys: pytest.CaptureFixture[str]) -> None:
+    """One message per flag: a layered restore without prefetch is refused, on CPU too (not
+    first warned about as having no effect there)."""
+    argv = ["--enable-hicache", "--device", "cpu", "--disable-hicache-prefetch", "--hicache-layered-restore", "on"]
+    code, out, err = run_main(argv, capsys)
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1 and err.startswith("error: --hicache-layered-restore")
 
 
 def test_flags_that_take_effect_do_not_warn() -> None:
@@ -462,8 +485,9 @@ def test_an_l1_pool_too_large_to_allocate_is_a_flag_error(capsys: pytest.Capture
     code, out, err = run_main(["--num-pages", "99999999999999"], capsys)
     lines = [ln for ln in err.splitlines() if not ln.startswith("warning: ")]
     assert code == 2 and out == "" and len(lines) == 1
-    assert lines[0].startswith(
+    assert lines[0] == (
         "error: --num-pages 99999999999999: cannot allocate the L1 pool: L1 pages (--num-pages) 99999999999999 x "
+        f"--page-size 16 tokens = 7.629e+08 GiB: more than this machine's host memory ({HOST_GIB:.1f} GiB)"
     )
 
 
@@ -473,7 +497,7 @@ def test_an_l1_pool_past_what_a_tensor_holds_says_so_without_torch_internals(
     code, out, err = run_main(["--num-pages", "99999999999999999999"], capsys)
     lines = [ln for ln in err.splitlines() if not ln.startswith("warning: ")]
     assert code == 2 and out == "" and len(lines) == 1
-    assert lines[0].endswith(" GiB: more than a tensor can hold"), lines[0]
+    assert lines[0].endswith(f" GiB: more than this machine's host memory ({HOST_GIB:.1f} GiB)"), lines[0]
 
 
 def test_the_seed_is_an_integer_like_every_other_count(capsys: pytest.CaptureFixture[str]) -> None:
@@ -651,3 +675,39 @@ def test_the_dir_store_takes_fsync_from_the_extra_config(tmp_path: Path, capsys:
         assert e.cache.storage is not None and e.cache.storage.status()["fsync"] is False
     code, out, err = run_main(argv, capsys)
     assert code == 0 and "2 requests: 2 served, 0 failed" in out and "warning" not in err, err
+
+
+# The argv behind each error line ENGINE.md quotes ("--flag VALUE" starts the line).
+DOC_ARGV = {
+    "--num-pages 10": ["--device", "cpu", "--num-pages", "10"],
+    "--device cuda": ["--device", "cuda"],
+    "--hicache-ratio 0": ["--enable-hicache", "--hicache-ratio", "0"],
+    "--hicache-policy fast": ["--hicache-policy", "fast"],
+    "--hicache-storage-path /nope/x": [
+        "--enable-hicache",
+        "--hicache-storage-ratio",
+        "1",
+        "--hicache-storage-path",
+        "/nope/x",
+    ],
+    "--hicache-rat 2": ["--hicache-rat", "2"],
+    "--num-pages": ["--num-pages"],
+}
+
+
+def test_the_error_lines_engine_md_quotes_are_the_clis(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each ``error:`` line of ENGINE.md's bad-flag block is what the CLI prints, exit 2."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "ENGINE.md").read_text()
+    block = doc.split("every bad flag is one line on stderr", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    lines = block.strip().splitlines()
+    keys = [re.match(r"error: (\S+(?: [^:]+)?):", line)[1] for line in lines]  # type: ignore[index]
+    assert sorted(keys) == sorted(DOC_ARGV), "quote a line for each DOC_ARGV entry, and nothing else"
+    for key, line in zip(keys, lines, strict=True):
+        if key == "--device cuda" and (torch.cuda.is_available() or torch.version.cuda is not None):
+            continue  # the line quotes a CPU-only torch
+        code, out, err = run_main(DOC_ARGV[key], capsys)
+        assert (code, out, err.splitlines()[-1]) == (
+            2,
+            "",
+            line.replace("torch 2.13.0+cpu", f"torch {torch.__version__}"),
+        )

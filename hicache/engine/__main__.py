@@ -160,9 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     need = -(-(args.prefix_tokens + args.suffix_tokens + args.max_new_tokens) // args.page_size)
     if need > args.num_pages:
         prompt = args.prefix_tokens + args.suffix_tokens
+        # NOTE: the flag named is one the user wrote (a default they never typed explains nothing)
+        given = given_flags(ap, argv)
+        culprit = next(
+            (d for d in ("num_pages", "prefix_tokens", "suffix_tokens", "max_new_tokens", "page_size") if d in given),
+            "num_pages",
+        )
         ap.error(
-            f"--num-pages {args.num_pages}: no room in L1 for a prompt of {prompt} tokens "
-            f"(with {args.max_new_tokens} new tokens it needs {need} pages of {args.page_size})"
+            f"--{culprit.replace('_', '-')} {getattr(args, culprit)}: no room in L1 for a prompt of {prompt} tokens "
+            f"(with {args.max_new_tokens} new tokens it needs {need} pages of {args.page_size}"
+            + (")" if culprit == "num_pages" else f"; --num-pages is {args.num_pages})")
         )
     try:
         engine = engine_from_args(args)

@@ -10,6 +10,7 @@ message is ``--flag VALUE: reason``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import re
@@ -53,10 +54,22 @@ class FlagError(ConfigError):
         self.flag, self.value, self.reason = flag, value, reason
 
 
+class Written(float):
+    """A number flag's value that keeps the text it was written as: a message names
+    ``--hicache-size 1e9`` as typed, not as ``1e+09``."""
+
+    text: str
+
+    def __new__(cls, value: float, text: str) -> Written:
+        out = super().__new__(cls, value)
+        out.text = text
+        return out
+
+
 def _show(value: object) -> str:
     """``value`` as written on a command line (quoted when it holds spaces)."""
     if isinstance(value, float):
-        return f"{value:g}"
+        return getattr(value, "text", None) or f"{value:g}"
     text = value if isinstance(value, str) else json.dumps(value) if isinstance(value, dict) else str(value)
     return text if text and " " not in text else repr(text)
 
@@ -113,14 +126,14 @@ def nonneg_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
     if value > 1e9:
         raise argparse.ArgumentTypeError(f"{text}: must be at most 1e9")
-    return value
+    return Written(value, text.strip())
 
 
 def positive_float(text: str) -> float:
     value = _number(float, text, "a number")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text}: must be > 0")
-    return value
+    return Written(value, text.strip())
 
 
 def port(text: str) -> int:
@@ -169,6 +182,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
 
 _CHOICE = re.compile(r"argument (\S+?)(?:/\S+)?: invalid choice: '?(.*?)'? \(choose from (.*)\)$")
 _ARGUMENT = re.compile(r"argument (\S+?)(?:/\S+)?: (.*)$")
+_EXPLICIT = re.compile(r"argument (\S+?)(?:/\S+)?: ignored explicit argument '(.*)'$")
+_UNKNOWN = "unrecognized arguments: "
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -181,11 +196,27 @@ class ArgParser(argparse.ArgumentParser):
         if m := _CHOICE.match(message):
             choices = m[3].replace("'", "")
             message = f"{m[1]} {_show(m[2])}: invalid choice (choose from {choices})"
+        elif m := _EXPLICIT.match(message):
+            message = f"{m[1]} {_show(m[2])}: the flag takes no value"
         elif m := _ARGUMENT.match(message):
             flag, reason = m[1], m[2]
             reason = re.sub(r"^invalid \w+ value: '(.*)'$", r"\1: invalid value", reason)
             message = f"{flag}: {reason}" if reason.startswith("expected") else f"{flag} {reason}"
+        elif message.startswith(_UNKNOWN):
+            message = self._unknown(message[len(_UNKNOWN) :].split())
         self.exit(2, f"error: {message}\n")
+
+    def _unknown(self, words: list[str]) -> str:
+        """The first unknown flag and its value, or the first stray word, with a reason."""
+        flag = next((i for i, w in enumerate(words) if w.startswith("-")), None)
+        if flag is None:
+            return f"{_show(words[0])}: not a flag (every setting is a --flag; see --help)"
+        name = words[flag].split("=", 1)[0]
+        value = words[flag + 1 :][:1] if "=" not in words[flag] else [words[flag].split("=", 1)[1]]
+        near = difflib.get_close_matches(name, [o for o in self._option_string_actions if o.startswith("--")], 1)
+        hint = f" (did you mean {near[0]}?)" if near else " (see --help)"
+        shown = f"{name} {_show(value[0])}" if value and not value[0].startswith("-") else name
+        return f"{shown}: unknown flag{hint}"
 
 
 def given_flags(ap: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -380,7 +411,8 @@ def ineffective_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
             ]
         for size, ratio in (("hicache_size", "hicache_ratio"), ("hicache_storage_size", "hicache_storage_ratio")):
             if size in given and ratio in given:
-                out.append(f"{flag[ratio]} has no effect with {flag[size]} (the size wins)")
+                off = " (the size wins; 0: no L3)" if size == "hicache_storage_size" else " (the size wins)"
+                out.append(f"{flag[ratio]} has no effect with {flag[size]}{off}")
         if not no_l3 and args.hicache_storage_backend == "file" and "hicache_storage_backend_extra_config" in given:
             out.append("--hicache-storage-backend-extra-config has no effect with --hicache-storage-backend file")
         if not no_l3 and args.hicache_storage_backend != "file" and "hicache_storage_direct" in given:
@@ -393,7 +425,7 @@ def ineffective_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
                 for d in hicache
                 if d.startswith("hicache_prior_") or d == "hicache_explore"
             ]
-        if cpu and args.hicache_layered_restore == "on":
+        if cpu and args.hicache_layered_restore == "on" and not args.disable_hicache_prefetch:  # else refused
             out.append("--hicache-layered-restore on has no effect on CPU (it needs CUDA)")
     if cpu:
         out += [

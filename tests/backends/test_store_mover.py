@@ -217,6 +217,8 @@ def test_a_read_of_pages_gone_from_a_shared_store_is_lost() -> None:
         ("dir", {"path": "P", "chunk_pages": 0}, "chunk_pages"),
         ("mooncake", {"extra": {}}, "master_server_address"),
         ("mooncake", {"extra": {"master_server_address": "nohost"}}, "host:port"),
+        ("mooncake", {"extra": {"master_server_address": "h:99999"}}, r"port 99999 is not in \[1, 65535\]"),
+        ("mooncake", {"extra": {"master_server_address": "h:0"}}, r"port 0 is not in \[1, 65535\]"),
         ("mooncake", {"extra": {"master_server_address": "h:1", "protocol": "udp"}}, "protocol"),
         ("mooncake", {"extra": {"master_server_address": "h:1", "global_segment_size": "lots"}}, "size"),
         ("mooncake", {"extra": {"master_server_address": "h:1", "masterr": 1}}, "unknown keys"),

@@ -81,8 +81,10 @@ def _address(name: str, value: object) -> tuple[str, int]:
     if not isinstance(value, str) or ":" not in value:
         raise ConfigError(f"mooncake {name} must be 'host:port', got {value!r}")
     host, _, port = value.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not port.isdigit():
         raise ConfigError(f"mooncake {name} must be 'host:port', got {value!r}")
+    if not 0 < int(port) < 65536:
+        raise ConfigError(f"mooncake {name}: port {port} is not in [1, 65535], got {value!r}")
     return host, int(port)
 
 
