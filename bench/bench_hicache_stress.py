@@ -392,7 +392,7 @@ def run(args: argparse.Namespace, dtype: torch.dtype) -> list[dict[str, Any]]:
                 parts = {  # starting a restore beside a decode batch is inside that batch's time
                     "decode": st["decode_s_while_restoring"],
                     "other prefills": st["prefill_s_while_restoring"],
-                    "starting it": st["restore_issue_s"] - beside,
+                    "starting it": max(0.0, st["restore_issue_s"] - beside),  # (float rounding: never -0.0)
                     "idle": st["idle_s_while_restoring"],
                 }
                 rest = r["restore_s"] - sum(parts.values())

@@ -138,6 +138,10 @@ if [ "$rc" != 0 ] && [ "$rc" != 124 ]; then tail -c 4000 "$WORK/mutmut.log" | tr
 echo "ran in $(( $(date +%s) - start )) s$([ "$rc" = 124 ] && echo " (cut at --max-seconds: partial)")"
 fi
 
+if [ ! -f "$WORK/sample.txt" ]; then
+  echo "error: no mutation run to report in $WORK (run: bash scripts/mutation.sh first)" >&2
+  exit 2
+fi
 cd "$WORK"
 "$PY" - "$WORK/sample.txt" "$ROOT/.venv/bin/mutmut" <<'EOF' | tee "$WORK/report.txt"
 import json, subprocess, sys

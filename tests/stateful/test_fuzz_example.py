@@ -316,3 +316,14 @@ def test_the_real_machine_catches_a_cancel_that_lies(lying: bool) -> None:
         return
     with pytest.raises(AssertionError, match=r"cancel said it withdrew a (H2D|D2H) copy, which then landed"):
         run_state_machine_as_test(cls, settings=config)
+
+
+def test_testing_md_s_own_test_suite_snippet_runs_as_written() -> None:
+    """The "In your own test suite" block of TESTING.md defines its factories and passes
+    (fewer runs per machine here: the sweep alone takes every transition)."""
+    doc = (EXAMPLE.parents[1] / "TESTING.md").read_text()
+    block = doc.split("In your own test suite:", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert block.count("max_examples=50") == 1
+    scope: dict[str, Any] = {"__name__": "testing_md_snippet"}
+    exec(compile(block.replace("max_examples=50", "max_examples=2"), "TESTING.md", "exec"), scope)
+    scope["test_my_pool_and_mover_under_the_facade_machines"]()
