@@ -318,6 +318,7 @@ def test_help_names_the_module_shows_defaults_and_documents_every_flag(capsys: p
     code, out, _ = run_main(["--help"], capsys)
     assert code == 0 and out.startswith("usage: python -m hicache.engine ")
     assert "(default: 4096)" in out and "(default: file)" in out
+    assert "(default: 2)" in out and "(default: 2.0)" not in out  # a float default as ENGINE.md writes it
 
 
 def args_of(argv: list[str]) -> tuple[argparse.Namespace, set[str]]:

@@ -10,6 +10,7 @@ message is ``--flag VALUE: reason``.
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import json
 import math
@@ -174,6 +175,12 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
         if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        if isinstance(action.default, float):  # 2, as ENGINE.md's table and the error lines write it: not 2.0
+            action = copy.copy(action)
+            action.default = _show(action.default)
+        return super()._expand_help(action)
 
     def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
         kinds = {positive_int: "N", nonneg_int: "N", int: "N", nonneg_float: "X", positive_float: "X", port: "PORT"}
