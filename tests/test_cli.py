@@ -548,7 +548,8 @@ def test_an_l1_pool_too_large_for_its_page_size_names_both_flags(capsys: pytest.
         (
             ["--enable-hicache", "--hicache-storage-ratio", "2", "--hicache-storage-backend", "dir",
              "--hicache-storage-path", "/proc/hicache-kv"],
-            "error: --hicache-storage-path /proc/hicache-kv: L3 directory /proc/hicache-kv: ",
+            "error: --hicache-storage-path /proc/hicache-kv: L3 directory /proc/hicache-kv: on a file system that "
+            "stores no data (such as /proc); give a disk path",
         ),
     ],
 )  # fmt: skip

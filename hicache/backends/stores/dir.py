@@ -448,6 +448,10 @@ def _open_dir(path: Path) -> int:
         if not path.exists():
             if not path.parent.is_dir():
                 raise ConfigError(f"L3 directory {path}: parent {path.parent} does not exist")
+            if os.statvfs(path.parent).f_blocks == 0:  # NOTE: mkdir there fails with a bare ENOENT
+                raise ConfigError(
+                    f"L3 directory {path}: on a file system that stores no data (such as /proc); give a disk path"
+                )
             path.mkdir(mode=0o700)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except PermissionError as exc:
