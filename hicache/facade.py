@@ -169,8 +169,8 @@ class HiCacheConfig:
             raise ConfigError(
                 f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), indexed from 0"
             )
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if self.l2_pages * self.geometry.bytes_per_page > host:
+        host = _host_memory()
+        if host is not None and self.l2_pages * self.geometry.bytes_per_page > host:
             raise ConfigError(
                 f"l2_pages={self.l2_pages} needs {self.l2_pages * self.geometry.bytes_per_page / 2**30:.1f} GiB "
                 f"of host memory; this machine has {host / 2**30:.1f} GiB"
@@ -182,11 +182,21 @@ def _check_memory_for_l1(config: HiCacheConfig) -> None:
     the allocator's own (a C++ source line, or nothing for a size past a tensor's)."""
     dev = torch.device(config.device)
     if dev.type == "cpu":
-        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's host memory"
+        have, where = _host_memory(), "this machine's host memory"
     else:
         have, where = torch.cuda.get_device_properties(dev).total_memory, f"the memory of {config.device}"
-    if config.l1_pages * config.geometry.bytes_per_page > have:
+    if have is not None and config.l1_pages * config.geometry.bytes_per_page > have:
         raise MemoryError(f"more than {where} ({have / 2**30:.1f} GiB)")
+
+
+def _host_memory() -> int | None:
+    """The machine's physical memory in bytes, or None where the system does not say (then
+    the allocator alone judges a pool's size)."""
+    try:
+        size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    return size if size > 0 else None
 
 
 def _check_l1_buffer(config: HiCacheConfig, buffer: object) -> None:

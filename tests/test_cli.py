@@ -158,6 +158,21 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--frobnicate", "--num-pages", "3"], "error: --frobnicate: unknown flag (see --help)"),
         (["tiny"], "error: tiny: not a flag (every setting is a --flag; see --help)"),
         (["--enable-hicache=1"], "error: --enable-hicache 1: the flag takes no value"),
+        (["--enable-hicache=it's"], "error: --enable-hicache it's: the flag takes no value"),
+        (["--help=3"], "error: --help 3: the flag takes no value"),
+        ([""], "error: '': not a flag (every setting is a --flag; see --help)"),
+        (["--device", "cpu", " "], "error: ' ': not a flag (every setting is a --flag; see --help)"),
+        (["--foo=a b"], "error: --foo 'a b': unknown flag (see --help)"),
+        (["--foo", "a b"], "error: --foo 'a b': unknown flag (see --help)"),
+        (["--foo\nbar"], "error: '--foo\\nbar': unknown flag (see --help)"),
+        (["--page-size", "a\nb"], "error: --page-size 'a\\nb': not an integer"),
+        (["--num-pages", " 0"], "error: --num-pages ' 0': must be an integer >= 1"),
+        (["--device", "cpu:1"], "error: --device cpu:1: the host is one device, cpu (or cpu:0)"),
+        (
+            ["--suffix-tokens", "0", "--max-new-tokens", "70000"],  # the largest part of what does not fit
+            "error: --max-new-tokens 70000: no room in L1 for a prompt of 350 tokens "
+            "(with 70000 new tokens it needs 4397 pages of 16; --num-pages is 4096)",
+        ),
         (
             ["--model", "nosuch"],
             f"error: --model nosuch: not a preset ({PRESETS}) nor a checkpoint directory (config.json)",
@@ -225,6 +240,17 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
             ],
             'error: --hicache-storage-backend-extra-config \'{"master_server_address": "nonsense"}\': '
             "mooncake master_server_address must be 'host:port', got 'nonsense'",
+        ),
+        (
+            [
+                *l3,
+                "--hicache-storage-backend",
+                "mooncake",
+                "--hicache-storage-backend-extra-config",
+                '{"master_server_address": "h:\u00b2"}',
+            ],
+            'error: --hicache-storage-backend-extra-config \'{"master_server_address": "h:\\\\u00b2"}\': '
+            "mooncake master_server_address must be 'host:port', got 'h:\u00b2'",
         ),
         (
             [*l3, "--hicache-storage-backend", "dir", "--hicache-storage-path", ""],
@@ -713,3 +739,56 @@ def test_the_error_lines_engine_md_quotes_are_the_clis(capsys: pytest.CaptureFix
             "",
             line.replace("torch 2.13.0+cpu", f"torch {torch.__version__}"),
         )
+
+
+def test_numbers_keep_their_text_through_pickle_and_copy_and_the_config_holds_plain_floats() -> None:
+    import copy
+    import pickle
+
+    from hicache.engine.cli import Written, engine_kwargs
+
+    args, _ = args_of(["--enable-hicache", "--hicache-ratio", "1e0", "--hicache-prior-host-gib-s", "7.50"])
+    for again in (pickle.loads(pickle.dumps(args)), copy.deepcopy(args)):
+        assert again.hicache_ratio == 1.0 and again.hicache_ratio.text == "1e0"
+        assert again.hicache_prior_host_gib_s.text == "7.50"
+    assert isinstance(args.hicache_ratio, Written)
+    from hicache.engine.model import build_model
+
+    priors = engine_kwargs(args, build_model("tiny", device="cpu", dtype=torch.float32))["priors"]
+    assert type(priors.host_gib_s) is float and type(priors.storage_read_gib_s) is float
+
+
+def test_a_machine_that_does_not_say_its_memory_leaves_the_sizes_to_the_allocator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """os.sysconf failing, or saying -1: no pool is refused for want of a figure."""
+    from hicache import HiCache, HiCacheConfig
+    from hicache.core.geometry import KVGeometry
+
+    real = os.sysconf
+    g = KVGeometry(2, 1, 4, 2, torch.float32)
+    said: list[ValueError | int] = [ValueError("unrecognized configuration name"), -1]
+    for answer in said:
+
+        def sysconf(name: str, answer: ValueError | int = answer) -> int:
+            if name == "SC_PHYS_PAGES":
+                if isinstance(answer, ValueError):
+                    raise answer
+                return answer
+            return real(name)
+
+        monkeypatch.setattr(os, "sysconf", sysconf)
+        with HiCache(HiCacheConfig(g, l1_pages=8, l2_pages=8, device="cpu")) as cache:
+            assert cache.status().core.tiers[0].free == 8
+
+
+def test_layered_restore_without_hicache_is_warned_about_once(capsys: pytest.CaptureFixture[str]) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the engine's own UserWarning would raise here
+        code, _, err = run_main(["--device", "cpu", "--hicache-layered-restore", "on", *SMALL], capsys)
+    assert code == 0
+    assert [ln for ln in err.splitlines() if "layered" in ln] == [
+        "warning: --hicache-layered-restore has no effect without --enable-hicache"
+    ]

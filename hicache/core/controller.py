@@ -357,7 +357,13 @@ class Controller:
         self._enter()
         self._live(req)
         if _one_d_array(pages):  # an engine's page table row: a 1-D tensor or array of ids
-            pages = pages.tolist()  # type: ignore[attr-defined]
+            try:
+                pages = pages.tolist()  # type: ignore[attr-defined]
+            except (NotImplementedError, RuntimeError, TypeError, ValueError):  # meta, sparse, quantized
+                raise MisuseError(
+                    f"insert: pages must be ids this process can read, got a {type(pages).__name__} without values "
+                    "here (meta, sparse or quantized)"
+                ) from None
         if isinstance(pages, (str, bytes)) or not isinstance(pages, Sequence):
             raise MisuseError(f"insert: pages must be a sequence of page ids, got {type(pages).__name__}")
         self._next(req, ReqEvent.INSERT, "insert")

@@ -162,9 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         prompt = args.prefix_tokens + args.suffix_tokens
         # NOTE: the flag named is one the user wrote (a default they never typed explains nothing)
         given = given_flags(ap, argv)
-        culprit = next(
-            (d for d in ("num_pages", "prefix_tokens", "suffix_tokens", "max_new_tokens", "page_size") if d in given),
-            "num_pages",
+        sizes = [d for d in ("prefix_tokens", "suffix_tokens", "max_new_tokens") if d in given]
+        culprit = (
+            "num_pages"
+            if "num_pages" in given
+            else max(sizes, key=lambda d: getattr(args, d))  # the largest part of what does not fit
+            if sizes
+            else "page_size"
+            if "page_size" in given
+            else "num_pages"
         )
         ap.error(
             f"--{culprit.replace('_', '-')} {getattr(args, culprit)}: no room in L1 for a prompt of {prompt} tokens "

@@ -61,10 +61,13 @@ class Written(float):
 
     text: str
 
-    def __new__(cls, value: float, text: str) -> Written:
+    def __new__(cls, value: float, text: str = "") -> Written:
         out = super().__new__(cls, value)
         out.text = text
         return out
+
+    def __reduce__(self) -> tuple[type[Written], tuple[float, str]]:  # pickle and deepcopy keep the text
+        return Written, (float(self), self.text)
 
 
 def _show(value: object) -> str:
@@ -72,7 +75,7 @@ def _show(value: object) -> str:
     if isinstance(value, float):
         return getattr(value, "text", None) or f"{value:g}"
     text = value if isinstance(value, str) else json.dumps(value) if isinstance(value, dict) else str(value)
-    return text if text and " " not in text else repr(text)
+    return text if text and text.isprintable() and " " not in text else repr(text)
 
 
 # -- argument types: each failure reads "VALUE: reason" (ArgParser.error adds the flag) -----
@@ -95,7 +98,7 @@ def integer(text: str) -> int:
 def positive_int(text: str) -> int:
     value = int(_number(int, text, "an integer"))
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be an integer >= 1")
+        raise argparse.ArgumentTypeError(f"{_show(text)}: must be an integer >= 1")
     return value
 
 
@@ -106,7 +109,7 @@ def int_between(low: int, high: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(_number(int, text, "an integer"))
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text}: must be an integer in [{low:,}, {high:,}]")
+            raise argparse.ArgumentTypeError(f"{_show(text)}: must be an integer in [{low:,}, {high:,}]")
         return value
 
     return parse
@@ -115,7 +118,7 @@ def int_between(low: int, high: int) -> Callable[[str], int]:
 def nonneg_int(text: str) -> int:
     value = int(_number(int, text, "an integer"))
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text}: must be an integer >= 0")
+        raise argparse.ArgumentTypeError(f"{_show(text)}: must be an integer >= 0")
     return value
 
 
@@ -124,23 +127,23 @@ def nonneg_float(text: str) -> float:
     machine has, in a message hundreds of digits long)."""
     value = _number(float, text, "a number")
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
+        raise argparse.ArgumentTypeError(f"{_show(text)}: must be >= 0")
     if value > 1e9:
-        raise argparse.ArgumentTypeError(f"{text}: must be at most 1e9")
+        raise argparse.ArgumentTypeError(f"{_show(text)}: must be at most 1e9")
     return Written(value, text.strip())
 
 
 def positive_float(text: str) -> float:
     value = _number(float, text, "a number")
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text}: must be > 0")
+        raise argparse.ArgumentTypeError(f"{_show(text)}: must be > 0")
     return Written(value, text.strip())
 
 
 def port(text: str) -> int:
     value = int(_number(int, text, "an integer"))
     if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text}: must be a port in [0, 65535] (0: any free port)")
+        raise argparse.ArgumentTypeError(f"{_show(text)}: must be a port in [0, 65535] (0: any free port)")
     return value
 
 
@@ -189,8 +192,12 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
 
 _CHOICE = re.compile(r"argument (\S+?)(?:/\S+)?: invalid choice: '?(.*?)'? \(choose from (.*)\)$")
 _ARGUMENT = re.compile(r"argument (\S+?)(?:/\S+)?: (.*)$")
-_EXPLICIT = re.compile(r"argument (\S+?)(?:/\S+)?: ignored explicit argument '(.*)'$")
-_UNKNOWN = "unrecognized arguments: "
+_EXPLICIT = re.compile(r"argument (\S+): ignored explicit argument (['\"])(.*)\2$", re.S)
+
+
+def _long(names: str) -> str:
+    """The long name of an argument argparse names ``-h/--help``."""
+    return next((n for n in names.split("/") if n.startswith("--")), names.split("/")[0])
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -199,30 +206,35 @@ class ArgParser(argparse.ArgumentParser):
     def __init__(self, prog: str = PROG, description: str | None = None) -> None:
         super().__init__(prog=prog, description=description, formatter_class=_Formatter, allow_abbrev=False)
 
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:  # NOTE: the words as given (argparse's own error joins them with spaces)
+            self.error(self._unknown(extra))
+        return parsed
+
     def error(self, message: str) -> NoReturn:
         if m := _CHOICE.match(message):
             choices = m[3].replace("'", "")
             message = f"{m[1]} {_show(m[2])}: invalid choice (choose from {choices})"
         elif m := _EXPLICIT.match(message):
-            message = f"{m[1]} {_show(m[2])}: the flag takes no value"
+            message = f"{_long(m[1])} {_show(m[3])}: the flag takes no value"
         elif m := _ARGUMENT.match(message):
             flag, reason = m[1], m[2]
-            reason = re.sub(r"^invalid \w+ value: '(.*)'$", r"\1: invalid value", reason)
+            reason = re.sub(r"^invalid \w+ value: '(.*)'$", r"\1: invalid value", reason, flags=re.S)
             message = f"{flag}: {reason}" if reason.startswith("expected") else f"{flag} {reason}"
-        elif message.startswith(_UNKNOWN):
-            message = self._unknown(message[len(_UNKNOWN) :].split())
-        self.exit(2, f"error: {message}\n")
+        line = message.replace("\n", "\\n").replace("\r", "\\r")  # NOTE: one line, whatever a value held
+        self.exit(2, f"error: {line}\n")
 
     def _unknown(self, words: list[str]) -> str:
         """The first unknown flag and its value, or the first stray word, with a reason."""
-        flag = next((i for i, w in enumerate(words) if w.startswith("-")), None)
+        flag = next((i for i, w in enumerate(words) if w.startswith("-") and w != "-"), None)
         if flag is None:
             return f"{_show(words[0])}: not a flag (every setting is a --flag; see --help)"
-        name = words[flag].split("=", 1)[0]
-        value = words[flag + 1 :][:1] if "=" not in words[flag] else [words[flag].split("=", 1)[1]]
+        name, eq, inline = words[flag].partition("=")
+        value = [inline] if eq else words[flag + 1 :][:1]
         near = difflib.get_close_matches(name, [o for o in self._option_string_actions if o.startswith("--")], 1)
         hint = f" (did you mean {near[0]}?)" if near else " (see --help)"
-        shown = f"{name} {_show(value[0])}" if value and not value[0].startswith("-") else name
+        shown = f"{_show(name)} {_show(value[0])}" if value and (eq or not value[0].startswith("-")) else _show(name)
         return f"{shown}: unknown flag{hint}"
 
 
@@ -451,6 +463,8 @@ def check_device(args: argparse.Namespace) -> None:
         raise FlagError("--device", args.device, "not a torch device (cpu, cuda or cuda:N)") from None
     if dev.type not in ("cpu", "cuda"):
         raise FlagError("--device", args.device, "the engine runs on cpu or cuda")
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        raise FlagError("--device", args.device, "the host is one device, cpu (or cpu:0)")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
@@ -514,12 +528,15 @@ def engine_kwargs(args: argparse.Namespace, net: torch.nn.Module, **overrides: A
         write_policy=args.hicache_write_policy,
         transfer_backend=args.hicache_transfer_backend,
         prefetch=not args.disable_hicache_prefetch,
-        layered_restore={"auto": None, "on": True, "off": False}[args.hicache_layered_restore],
+        # NOTE: without hicache the flag was warned about as ineffective; not twice
+        layered_restore={"auto": None, "on": True, "off": False}[args.hicache_layered_restore]
+        if args.enable_hicache
+        else None,
         verify_pages=args.hicache_verify_pages,
         priors=CostPriors(
-            recompute_s_per_token=args.hicache_prior_recompute_us * 1e-6,
-            host_gib_s=args.hicache_prior_host_gib_s,
-            storage_read_gib_s=args.hicache_prior_storage_gib_s,
+            recompute_s_per_token=float(args.hicache_prior_recompute_us) * 1e-6,
+            host_gib_s=float(args.hicache_prior_host_gib_s),
+            storage_read_gib_s=float(args.hicache_prior_storage_gib_s),
             explore=args.hicache_explore,
         ),
     )

@@ -380,6 +380,47 @@ def test_a_store_being_made_by_another_opener_is_in_use_not_a_strangers_director
     again.close()
 
 
+@pytest.mark.parametrize(
+    "kind", ["file", "symlink", "directory", "hard link", "symlink beside LOCK", "hard link beside LOCK"]
+)
+def test_a_format_tmp_of_the_users_is_never_written_through_or_deleted(tmp_path: Path, kind: str) -> None:
+    """A FORMAT.tmp without a LOCK beside it (no opener made it), or one that is not a
+    regular file, is a stranger's: refused, left as it was. A regular one beside a LOCK is a
+    dead opener's: unlinked and made anew, so a hard link's other name keeps its bytes."""
+    path = tmp_path / "l3"
+    path.mkdir(mode=0o700)
+    outside = tmp_path / "thesis.txt"
+    outside.write_bytes(b"three years of work")
+    if "LOCK" in kind:
+        (path / "LOCK").write_bytes(b"")
+    if kind.startswith("symlink"):
+        os.symlink(outside, path / "FORMAT.tmp")
+    elif kind.startswith("hard link"):
+        os.link(outside, path / "FORMAT.tmp")
+    elif kind == "directory":
+        (path / "FORMAT.tmp").mkdir()
+        (path / "FORMAT.tmp" / "important").write_bytes(b"x")
+    else:
+        (path / "FORMAT.tmp").write_bytes(b"user data")
+    before = {
+        p.name: (p.lstat().st_mode, p.read_bytes() if p.is_file() and not p.is_symlink() else b"")
+        for p in path.iterdir()
+    }
+    if kind == "hard link beside LOCK":
+        s = dir_store(path)
+        s.close()
+        assert sorted(p.name for p in path.iterdir()) == ["FORMAT", "LOCK"] and outside.stat().st_nlink == 1
+    else:
+        with pytest.raises(ConfigError, match="not empty and holds no hicache store"):
+            dir_store(path)
+        after = {
+            p.name: (p.lstat().st_mode, p.read_bytes() if p.is_file() and not p.is_symlink() else b"")
+            for p in path.iterdir()
+        }
+        assert after == before
+    assert outside.read_bytes() == b"three years of work"
+
+
 def test_an_existing_directory_keeps_its_mode_unless_others_may_write(tmp_path: Path) -> None:
     """An empty directory of mode 0755 is adopted as it is (pages are 0600 files); one
     others may write into is refused, its mode unchanged; a new one is made 0700."""
@@ -441,7 +482,7 @@ def test_a_refusal_for_room_leaves_the_directory_as_it_was(tmp_path: Path, monke
     real = os.statvfs
 
     class Full:
-        f_bavail, f_frsize = 1, 4096
+        f_bavail, f_frsize, f_blocks = 1, 4096, 1000
 
     monkeypatch.setattr(os, "statvfs", lambda fd: Full())
     new = tmp_path / "new"
@@ -562,3 +603,23 @@ def test_a_read_ranks_the_pages_above_it_in_memory_without_touching_their_files(
     assert s.write([4, 5], [0, 1], KEYS[40:42]).wait()  # two evictions: the tail's last two
     assert s.exists(KEYS[:8]) == 6
     s.close()
+
+
+def test_losing_the_race_to_make_the_directory_opens_the_one_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another opener makes the new directory between our check and our mkdir: ours opens
+    it (the lock decides who keeps it), not 'File exists'."""
+    real = Path.mkdir
+
+    def beaten(self: Path, mode: int = 0o777, parents: bool = False, exist_ok: bool = False) -> None:
+        real(self, mode=0o700)  # the other opener's
+        raise FileExistsError(17, "File exists", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", beaten)
+    s = dir_store(tmp_path / "l3")
+    monkeypatch.setattr(Path, "mkdir", real)
+    fill(s.host, [0], [0])
+    assert s.write([0], [0], KEYS[:1]).wait()
+    s.close()
+    assert sorted(p.name for p in (tmp_path / "l3").iterdir()) == sorted(["FORMAT", "LOCK", f"{KEYS[0].hex()}.page"])

@@ -80,9 +80,11 @@ def test_insert_takes_page_ids_as_an_engine_keeps_them(as_given: object) -> None
         (lambda pages: [True], "page ids must be ints, got True (bool)"),
         (lambda pages: torch.tensor(pages, dtype=torch.float32), "page ids must be ints, got 0.0 (float)"),
         (lambda pages: torch.tensor([pages]), "pages must be a sequence of page ids, got Tensor"),
+        (lambda pages: torch.tensor(pages, device="meta"), "pages must be ids this process can read, got a Tensor"),
+        (lambda pages: torch.tensor(pages).to_sparse(), "pages must be ids this process can read, got a Tensor"),
         (lambda pages: [pages[0], pages[0]], "pages must be distinct private pages"),
     ],
-    ids=["floats", "numpy bool", "bool", "float tensor", "2-D tensor", "duplicates"],
+    ids=["floats", "numpy bool", "bool", "float tensor", "2-D tensor", "meta tensor", "sparse tensor", "duplicates"],
 )
 def test_insert_refuses_page_ids_that_are_not_ints_and_changes_nothing(bad: object, says: str) -> None:
     with HiCache(HiCacheConfig(G, l1_pages=8, l2_pages=8, device="cpu")) as c:

@@ -135,10 +135,11 @@ class DirStore:
         try:
             fd = os.open("FORMAT", os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
         except FileNotFoundError:
-            _check_adoptable(self.dirfd, self.path)  # again, under the lock
-            self._made_format = True
-            fd = os.open("FORMAT.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+            if "FORMAT.tmp" in _check_adoptable(self.dirfd, self.path):  # again, under the lock
+                os.unlink("FORMAT.tmp", dir_fd=self.dirfd)  # a dead opener's: made anew, not written through
+            fd = os.open("FORMAT.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=self.dirfd)  # fmt: skip
+            self._made_format = True
             try:
                 os.write(fd, want.encode())
                 os.fsync(fd)
@@ -452,7 +453,8 @@ def _open_dir(path: Path) -> int:
                 raise ConfigError(
                     f"L3 directory {path}: on a file system that stores no data (such as /proc); give a disk path"
                 )
-            path.mkdir(mode=0o700)
+            with contextlib.suppress(FileExistsError):  # another opener made it first: checked as theirs below
+                path.mkdir(mode=0o700)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except PermissionError as exc:
         raise ConfigError(f"L3 directory {path}: permission denied ({exc.strerror})") from exc
@@ -484,11 +486,17 @@ def _check_adoptable(dirfd: int, path: Path) -> set[str]:
     opening a store scans it and deletes what looks like a broken page or temp file, so it
     never adopts a user's directory. Returns the names it holds.
 
-    A ``FORMAT.tmp`` is a store being made: by another opener (it holds the lock: ours is
-    refused as in use, not as a stranger's directory) or by one that died before its
-    rename (under the lock, the store is made again over it)."""
+    A regular file ``FORMAT.tmp`` beside a ``LOCK`` (an opener makes the lock file first) is
+    a store being made: by another opener (it holds the lock: ours is refused as in use,
+    not as a stranger's directory) or by one that died before its rename (under the lock it
+    is unlinked and the store made anew: never written through, it may be a link)."""
     names = set(os.listdir(dirfd))
-    foreign = sorted(names - {"LOCK", "FORMAT.tmp"})
+    ours = {"LOCK"}
+    if "LOCK" in names and "FORMAT.tmp" in names:
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.stat("FORMAT.tmp", dir_fd=dirfd, follow_symlinks=False).st_mode):
+                ours.add("FORMAT.tmp")
+    foreign = sorted(names - ours)
     if "FORMAT" not in names and foreign:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise ConfigError(

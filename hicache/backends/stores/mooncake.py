@@ -81,7 +81,7 @@ def _address(name: str, value: object) -> tuple[str, int]:
     if not isinstance(value, str) or ":" not in value:
         raise ConfigError(f"mooncake {name} must be 'host:port', got {value!r}")
     host, _, port = value.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not (port.isascii() and port.isdigit()):  # NOTE: "²" is a digit to str.isdigit, not to int()
         raise ConfigError(f"mooncake {name} must be 'host:port', got {value!r}")
     if not 0 < int(port) < 65536:
         raise ConfigError(f"mooncake {name}: port {port} is not in [1, 65535], got {value!r}")
