@@ -979,13 +979,20 @@ class Controller:
         go first (they need no room), then L1 ones through L2, top-down, each waited for.
         Returns the runs now in L3 that were not. :meth:`close` calls it for a store that
         outlives the cache (``dir``, ``mooncake``), so that a restart finds what this
-        process computed; a run that cannot be written (no room, the store down) is skipped."""
+        process computed; a run that cannot be written (no room, the store down) is skipped.
+        A write past its deadline ends the flush, and an I/O past its deadline not yet
+        returned skips it: the store hangs, and waiting a deadline per run would hold
+        :meth:`close` for as many deadlines as there are runs."""
         self._enter()
         self.drain()
         core, storage = self.core, self.storage
         if storage is None or not core.sizes.l2_pages:
             return 0
+        if self._stragglers:
+            log.warning("hicache: flush skipped: an L3 I/O past its deadline has not returned (the store hangs)")
+            return 0
         written = 0
+        expired = self.metrics.l3_deadline_failures
         for tier in (Tier.L2, Tier.L1):
             nodes = [n for n in core.tree.iter_nodes() if n.parent is not None]
             for node in sorted(nodes, key=core.tree.depth_tokens):  # NOTE: top-down: parents first
@@ -996,6 +1003,9 @@ class Controller:
                 self._backup(node)  # L2: the H2S; L1: the D2H, whose landing issues the H2S
                 self.drain()
                 written += node.alive and node.has(Tier.L3)
+                if self.metrics.l3_deadline_failures > expired:
+                    log.warning("hicache: flush stopped: an L3 write passed its deadline (the store hangs)")
+                    return written
         return written
 
     def close(self) -> None:

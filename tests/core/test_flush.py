@@ -80,3 +80,25 @@ def test_close_does_not_flush_a_store_that_goes_with_the_cache() -> None:
     compute(c, PROMPTS[0], seed=0)
     c.close()
     assert c.metrics.directions["H2S"].count == 0
+
+
+@pytest.mark.parametrize("how", ["close", "flush"])
+def test_a_hung_store_ends_the_flush_at_the_first_write_past_its_deadline(tmp_path: Path, how: str) -> None:
+    """write_back leaves three runs in L1 only; the store's writes hang. The flush (its own,
+    or close's) waits out one write's deadline, then stops: a deadline per run would hold
+    close for as many deadlines as there are runs. The runs stay consistent in L1."""
+    c = cache(tmp_path / "l3", "write_back")
+    c.controller.storage.close_timeout_s = 0.05  # type: ignore[union-attr]
+    c.controller.storage.deadline_s = 0.05  # type: ignore[union-attr]
+    for i, p in enumerate(PROMPTS[:3]):
+        compute(c, p, seed=i)
+    c.faults.add("hang", 1000, op="write")
+    try:
+        if how == "flush":
+            assert c.flush() == 0
+            c.check_integrity()
+            assert all(c.core.match(p).lengths[0] == 8 for p in PROMPTS[:3])
+        c.close()
+        assert c.metrics.l3_deadline_failures == 1
+    finally:
+        c.faults.release()
