@@ -48,6 +48,7 @@ from hicache.engine.cli import (
     dtype_of,
     engine_from_args,
     given_flags,
+    int_between,
     served_from,
     warn,
 )
@@ -238,10 +239,14 @@ def parser() -> ArgParser:
     add_engine_args(ap)
     b = ap.add_argument_group("benchmark")
     b.add_argument(
-        "--prefix-tokens", type=at_least(1), nargs="+", default=[350, 1000, 2000, 3500], help="prefix lengths"
+        "--prefix-tokens",
+        type=int_between(1, 1_000_000),
+        nargs="+",
+        default=[350, 1000, 2000, 3500],
+        help="prefix lengths",
     )
-    b.add_argument("--suffix-tokens", type=at_least(0), default=8, help="tokens after the prefix")
-    b.add_argument("--max-new-tokens", type=at_least(1), default=1, help="tokens generated per request")
+    b.add_argument("--suffix-tokens", type=int_between(0, 1_000_000), default=8, help="tokens after the prefix")
+    b.add_argument("--max-new-tokens", type=int_between(1, 1_000_000), default=1, help="tokens generated per request")
     b.add_argument(
         "--iterations",
         type=at_least(1),

@@ -57,6 +57,7 @@ from hicache.engine.cli import (
     check_flags,
     dtype_of,
     engine_from_args,
+    int_between,
     served_from,
 )
 
@@ -218,8 +219,8 @@ def parser() -> ArgParser:
     b.add_argument(
         "--prefixes", type=at_least(1), default=8, choices=range(1, 9), metavar="{1..8}", help="prefixes in rotation"
     )
-    b.add_argument("--prefix-tokens", type=at_least(1), default=350, help="tokens per prefix")
-    b.add_argument("--suffix-tokens", type=at_least(0), default=8, help="tokens after the prefix")
+    b.add_argument("--prefix-tokens", type=int_between(1, 1_000_000), default=350, help="tokens per prefix")
+    b.add_argument("--suffix-tokens", type=int_between(0, 1_000_000), default=8, help="tokens after the prefix")
     b.add_argument("--requests", type=at_least(1), default=80, help="timed requests per configuration")
     b.add_argument("--l1-prefixes", type=at_least(1), default=3, help="prefixes L1 holds")
     b.add_argument("--warmup-rotations", type=at_least(1), default=2, help="untimed rotations first")
@@ -232,7 +233,9 @@ def parser() -> ArgParser:
     b.add_argument(
         "--decoders", type=at_least(0), default=4, help="background decoders in the overlap variant (0: skip)"
     )
-    b.add_argument("--decode-tokens", type=at_least(1), default=64, help="tokens each background decoder generates")
+    b.add_argument(
+        "--decode-tokens", type=int_between(1, 1_000_000), default=64, help="tokens each background decoder generates"
+    )
     b.add_argument("--no-rotation", action="store_true", help="run only the overlap variants")
     b.add_argument(
         "--repeats", type=at_least(1), default=1, help="runs per configuration, round-robin; rows show the median"

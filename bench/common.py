@@ -72,12 +72,17 @@ def existing_dir(text: str) -> Path:
     return path
 
 
+def _shown(text: str) -> str:
+    """A flag's value as typed, quoted where it holds spaces or is empty ("VALUE: reason")."""
+    return text if text and text.isprintable() and " " not in text else repr(text)
+
+
 def at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an int >= ``low`` (counts and sizes; 0 or -1 would end in a
     ZeroDivisionError or an empty statistic long after the flag was read)."""
 
     def parse(text: str) -> int:
-        shown = text if text and " " not in text else repr(text)  # "VALUE: reason", as the engine's flags
+        shown = _shown(text)  # "VALUE: reason", as the engine's flags
         try:
             value = int(text)
         except ValueError:
@@ -98,7 +103,7 @@ def between(low: int, high: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = least(text)
         if value > high:
-            raise argparse.ArgumentTypeError(f"must be at most {high}")
+            raise argparse.ArgumentTypeError(f"{_shown(text)}: must be at most {high}")
         return value
 
     parse.__name__ = f"int in [{low}, {high}]"
@@ -109,9 +114,21 @@ def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError("not a number") from None
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: not a number") from None
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError("must be a positive number")
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: must be a positive number")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a rate in [0, 1] (NaN would compare false everywhere: nothing drawn)."""
+    shown = _shown(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown}: not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{shown}: must be a rate in [0, 1]")
     return value
 
 
@@ -120,14 +137,14 @@ def torch_device(text: str) -> str:
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError("not a torch device (cpu, cuda or cuda:N)") from None
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: not a torch device (cpu, cuda or cuda:N)") from None
     if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError("the benchmarks run on cpu or cuda")
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: the benchmarks run on cpu or cuda")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise argparse.ArgumentTypeError("no CUDA device here")
+            raise argparse.ArgumentTypeError(f"{_shown(text)}: no CUDA device here")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(f"only {torch.cuda.device_count()} CUDA device(s) visible")
+            raise argparse.ArgumentTypeError(f"{_shown(text)}: only {torch.cuda.device_count()} CUDA device(s) visible")
     return text
 
 
@@ -174,7 +191,9 @@ def stdout_gone() -> bool:
 def tag_name(text: str) -> str:
     """An argparse type: a file name suffix (checked before the run, not after it)."""
     if not text or text in (".", "..") or "/" in text or "\0" in text or len(text) > 100:
-        raise argparse.ArgumentTypeError("must be a plain file name part (no '/', at most 100 characters)")
+        raise argparse.ArgumentTypeError(
+            f"{_shown(text)}: must be a plain file name part (no '/', at most 100 characters)"
+        )
     return text
 
 

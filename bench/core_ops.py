@@ -9,7 +9,6 @@ grows with the tree. Writes JSON + PNG under ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import random
@@ -20,6 +19,7 @@ from common import add_out_args, at_least, guarded, write_results
 from tqdm import tqdm
 
 from hicache.core import CacheCore, TierSizes
+from hicache.engine.cli import ArgParser
 from hicache.spec.model import Tier
 
 PROMPT = 4096
@@ -98,7 +98,7 @@ def measure(page_size: int, nodes: int, seed: int = 0, reps: int = 200) -> dict[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser("python bench/core_ops.py", __doc__)
     ap.add_argument("--nodes", type=at_least(1), nargs="+", default=[1000, 3000, 10000], help="tree sizes")
     ap.add_argument("--page-sizes", type=at_least(1), nargs="+", default=[1, 16], help="tokens per page")
     add_out_args(ap)

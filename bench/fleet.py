@@ -13,7 +13,6 @@ an estimated TTFT (service time only: no queueing, no batching). Writes JSON + o
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -33,6 +32,7 @@ from typing import Any, Literal
 from common import at_least, guarded, out_dir, tag_name
 from tqdm import tqdm
 
+from hicache.engine.cli import ArgParser
 from hicache.errors import ConfigError, MisuseError
 
 GiB = float(2**30)
@@ -466,7 +466,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     d_w, d_f, d_c = Workload(), Fleet(), Costs()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser("python bench/fleet.py", __doc__)
     ap.add_argument("--instances", type=at_least(1), nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--requests", type=at_least(1), default=None, help=f"default: {d_w.requests} (--quick: 6000)")
     ap.add_argument("--seed", type=int, default=d_w.seed)

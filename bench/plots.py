@@ -5,12 +5,14 @@ python bench/plots.py bench/results/bench_hicache*.json   # rewrites each FILE.p
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import matplotlib
+
+from hicache.engine.cli import ArgParser
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -129,20 +131,26 @@ def plot_stress(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) ->
     plt.close(fig)
 
 
+def _fail(message: str) -> NoReturn:
+    """One line and exit status 2, as every CLI of ours ends on bad input."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def replot(path: Path) -> None:
     if not path.name.startswith("bench_hicache") or path.suffix != ".json":
-        raise SystemExit(f"error: {path}: not a bench_hicache result (bench_hicache*.json)")
+        _fail(f"{path}: not a bench_hicache result (bench_hicache*.json)")
     try:
         data = json.loads(path.read_text())
         rows, meta = data["rows"], data["meta"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SystemExit(f"error: {path}: cannot read a result ({exc!r})") from None
+        _fail(f"{path}: cannot read a result ({exc!r})")
     draw = plot_stress if path.name.startswith("bench_hicache_stress-") else plot_latency
     draw(rows, meta, path.with_suffix(""))
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python bench/plots.py", description=__doc__)
+    ap = ArgParser("python bench/plots.py", __doc__)
     ap.add_argument("files", nargs="+", type=Path, metavar="FILE.json", help="bench_hicache*.json results")
     for name in ap.parse_args().files:
         replot(name)

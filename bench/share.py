@@ -12,7 +12,6 @@ and exits; B starts cold, warms up on an unrelated prompt, then serves each prom
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from common import add_out_args, at_least, device_name, guarded, positive_float, write_results
+
+from hicache.engine.cli import ArgParser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,9 +137,7 @@ def _summary(row: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    ap = argparse.ArgumentParser(
-        prog="python bench/share.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = ArgParser("python bench/share.py", __doc__)
     cuda = torch.cuda.is_available()
     ap.add_argument("--model", default="qwen3-8b" if cuda else "tiny")
     ap.add_argument("--prefix-tokens", type=at_least(1), default=3500 if cuda else 256)

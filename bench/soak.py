@@ -28,12 +28,20 @@ import time
 from typing import Any
 
 import torch
-from common import add_out_args, at_least, device_name, engine_settings, guarded, write_results
+from common import add_out_args, at_least, device_name, engine_settings, fraction, guarded, write_results
 from tqdm import tqdm
 
 from hicache.backends.faults import FaultKind
 from hicache.engine import Engine
-from hicache.engine.cli import ArgParser, FlagError, add_engine_args, dtype_of, engine_from_args, served_from
+from hicache.engine.cli import (
+    ArgParser,
+    FlagError,
+    add_engine_args,
+    dtype_of,
+    engine_from_args,
+    positive_float,
+    served_from,
+)
 
 FAULTS: list[tuple[FaultKind, str]] = [
     ("eio", "read"),
@@ -166,16 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgParser("python bench/soak.py", __doc__)
     add_engine_args(ap)
     ap.add_argument("--requests", type=at_least(1), default=10_000, help="stop after this many (or --minutes)")
-    ap.add_argument("--minutes", type=float, default=None, help="stop after this long")
+    ap.add_argument("--minutes", type=positive_float, default=None, help="stop after this long")
     ap.add_argument("--warmup", type=at_least(0), default=200, help="requests before the resource baseline")
-    ap.add_argument("--concurrency", type=int, default=6, help="requests in flight at once")
-    ap.add_argument("--fault-rate", type=float, default=0.05, help="faults injected per request")
-    ap.add_argument("--abort-rate", type=float, default=0.03, help="aborts per request")
-    ap.add_argument("--integrity-every", type=int, default=100, help="check_integrity() every N requests")
+    ap.add_argument("--concurrency", type=at_least(1), default=6, help="requests in flight at once")
+    ap.add_argument("--fault-rate", type=fraction, default=0.05, help="faults injected per request")
+    ap.add_argument("--abort-rate", type=fraction, default=0.03, help="aborts per request")
+    ap.add_argument("--integrity-every", type=at_least(1), default=100, help="check_integrity() every N requests")
     ap.add_argument("--hot", type=int, default=3, help="shared prefixes drawn half the time")
     ap.add_argument("--rotating", type=int, default=24, help="prefixes drawn in rotation otherwise")
     ap.add_argument("--max-prefix-tokens", type=int, default=None, help="default: 200 on CPU, 2000 on CUDA")
-    ap.add_argument("--sample-s", type=float, default=30.0, help="seconds between RSS samples")
+    ap.add_argument("--sample-s", type=positive_float, default=30.0, help="seconds between RSS samples")
     ap.add_argument("--seed", type=int, default=0, help="seed of the workload, faults and aborts")
     add_out_args(ap)
     ap.add_argument("--no-verify-pages", action="store_true", help="skip the per-page digests (for bisecting)")

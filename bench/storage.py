@@ -23,7 +23,6 @@ or /tmp/hicache-bench), tagged with the device (``--tag``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -45,6 +44,7 @@ from hicache.backends.storage import StorageBackend, StorageFile
 from hicache.backends.stores import StoreMover, open_storage
 from hicache.core.geometry import KVGeometry
 from hicache.core.keys import format_seed, page_keys
+from hicache.engine.cli import ArgParser
 
 GEOMETRY = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
 GIB = 2.0**30
@@ -252,7 +252,7 @@ def keys_cost(reps: int = 50) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser("python bench/storage.py", __doc__)
     ap.add_argument("--dir", type=existing_dir, default=Path.cwd(), help="a directory on the disk to measure")
     ap.add_argument("--pages", type=at_least(1), nargs="+", default=[16, 64, 256])
     ap.add_argument("--caller-pages", type=at_least(1), nargs="+", default=[256, 1024])

@@ -41,6 +41,7 @@ from hicache.backends.pools import DevicePool, HostPool
 from hicache.backends.ticket import Ticket
 from hicache.backends.transfer import GATHER, SCATTER, Copy, TransferEngine
 from hicache.core.geometry import KVGeometry
+from hicache.engine.cli import ArgParser
 
 QWEN3_8B = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
 SMALL = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
@@ -125,7 +126,7 @@ def device_span(fn: Callable[[], Any], streams: list[Any], reps: int, side: Call
 def probe_parser(doc: str | None, reps: int) -> argparse.ArgumentParser:
     """The layered probes' common flags: ``--pages`` (219 = 3,500 tokens), ``--reps`` and
     ``--profile`` (how many functions to print by own host time)."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser("python bench/transfer.py", doc)
     ap.add_argument("--pages", type=int, default=219, help="219 pages = 3,500 tokens")
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--profile", type=int, default=0, help="print this many functions by own host time")
@@ -382,7 +383,7 @@ def plot(rows: list[dict[str, Any]], meta: dict[str, Any], names: list[str], pat
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser("python bench/transfer.py", __doc__)
     ap.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--pages",

@@ -120,24 +120,27 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["core_ops.py", "--nodes", "0"], "--nodes: 0: must be at least 1"),
-        (["transfer.py", "--reps", "-1"], "--reps: -1: must be at least 1"),
-        (["transfer.py", "--device", "bogus"], "--device: not a torch device"),
-        (["transfer.py", "--device", "mps"], "--device: the benchmarks run on cpu or cuda"),
-        (["transfer.py", "--backend", "cuda"], "--backend: invalid choice"),
-        (["transfer.py", "--pages", "99999999999"], "--pages: must be at most 4096"),
-        (["transfer.py", "--tag", "a/b"], "--tag: must be a plain file name part"),
-        (["bench_hicache.py", "--tag", "a/b"], "--tag must be a plain file name part"),
+        (["core_ops.py", "--nodes", "0"], "error: --nodes 0: must be at least 1"),
+        (["transfer.py", "--reps", "-1"], "error: --reps -1: must be at least 1"),
+        (["transfer.py", "--device", "bogus"], "error: --device bogus: not a torch device"),
+        (["transfer.py", "--device", "mps"], "error: --device mps: the benchmarks run on cpu or cuda"),
+        (["transfer.py", "--backend", "cuda"], "error: --backend cuda: invalid choice"),
+        (["transfer.py", "--pages", "99999999999"], "error: --pages 99999999999: must be at most 4096"),
+        (["transfer.py", "--tag", "a/b"], "error: --tag a/b: must be a plain file name part"),
+        (["bench_hicache.py", "--tag", "a/b"], "error: --tag a/b: must be a plain file name part"),
         (["bench_hicache.py", "--straight-runs", "-1"], "--straight-runs -1: must be at least 0"),
         (["bench_hicache.py", "--warmup", "0"], "--warmup 0: must be at least 1"),
         (["bench_hicache.py", "--prefix-tokens", "15"], "--prefix-tokens 15: less than one page (--page-size 16)"),
-        (["storage.py", "--dir", "/nonexistent/hicache"], "--dir: /nonexistent/hicache: not an existing directory"),
-        (["core_ops.py", "--out", "/dev/null/x"], "--out: /dev/null/x: /dev/null is not a directory"),
+        (
+            ["storage.py", "--dir", "/nonexistent/hicache"],
+            "error: --dir /nonexistent/hicache: not an existing directory",
+        ),
+        (["core_ops.py", "--out", "/dev/null/x"], "error: --out /dev/null/x: /dev/null is not a directory"),
         (["soak.py", "--requests", "60"], "--requests 60: must exceed --warmup 200"),
         (["bench_hicache.py", "--device", "tpu"], "--device tpu: not a torch device"),
         (["bench_hicache.py", "--model", "nope"], "--model nope: not a preset"),
-        (["bench_hicache.py", "--suffix-tokens", "-5"], "--suffix-tokens -5: must be at least 0"),
-        (["bench_hicache.py", "--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+        (["bench_hicache.py", "--suffix-tokens", "-5"], "--suffix-tokens -5: must be an integer in [0, 1,000,000]"),
+        (["bench_hicache.py", "--max-new-tokens", "0"], "--max-new-tokens 0: must be an integer in [1, 1,000,000]"),
         (["bench_hicache.py", "--out="], "--out '': an empty path"),
         (["bench_hicache_stress.py", "--device", "tpu"], "--device tpu: not a torch device"),
         (["bench_hicache_stress.py", "--repeats", "0"], "--repeats 0: must be at least 1"),
@@ -145,16 +148,33 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
         (["bench_hicache_stress.py", "--no-rotation", "--decoders", "0"], "--no-rotation with --decoders 0: nothing"),
         (["bench_hicache_stress.py", "--disk-dir", "/nonexistent"], "--disk-dir /nonexistent: not an existing dir"),
         (["bench_hicache_stress.py", "--l1-prefixes", "0"], "--l1-prefixes 0: must be at least 1"),
-        (["bench_hicache_stress.py", "--suffix-tokens", "-100"], "--suffix-tokens -100: must be at least 0"),
-        (["plots.py", "README.md"], "not a bench_hicache result"),
+        (
+            ["bench_hicache_stress.py", "--suffix-tokens", "-100"],
+            "--suffix-tokens -100: must be an integer in [0, 1,000,000]",
+        ),
+        (["plots.py", "README.md"], "error: README.md: not a bench_hicache result"),
+        (["soak.py", "--minutes", "nan"], "error: --minutes nan: not a finite number"),
+        (["soak.py", "--fault-rate", "nan"], "error: --fault-rate nan: must be a rate in [0, 1]"),
+        (
+            ["bench_hicache.py", "--prefix-tokens", "20000000"],
+            "error: --prefix-tokens 20000000: must be an integer in [1, 1,000,000]",
+        ),
+        (
+            ["bench_hicache_stress.py", "--prefix-tokens", "20000000"],
+            "error: --prefix-tokens 20000000: must be an integer in [1, 1,000,000]",
+        ),
+        (["fleet.py", "--instances", "0"], "error: --instances 0: must be at least 1"),
     ],
 )
 def test_a_bad_benchmark_flag_is_one_line_and_no_traceback(argv: list[str], says: str) -> None:
     """A count of 0 or less, a directory that cannot be used, or a run too short for its
     leak baseline: one error line naming it, a non-zero exit, no traceback, before any work."""
     run = subprocess.run([sys.executable, *argv], cwd=ROOT / "bench", capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0
-    assert says in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.returncode == 2 and run.stdout == ""
+    lines = [ln for ln in run.stderr.splitlines() if not ln.startswith("warning: ")]
+    assert len(lines) == 1 and lines[0].startswith(says if says.startswith("error: ") else f"error: {says}"), (
+        run.stderr[-2000:]
+    )
 
 
 @pytest.mark.parametrize("script", ["bench_hicache.py", "bench_hicache_stress.py"])
@@ -328,7 +348,7 @@ def test_the_main_job_refuses_values_a_benchmark_would_refuse(argv: list[str], s
     ("argv", "says"),
     [
         (["--requests", "abc"], "error: --requests abc: not an integer"),
-        (["--prefix-tokens", "0"], "error: --prefix-tokens 0: must be at least"),
+        (["--prefix-tokens", "0"], "error: --prefix-tokens 0: must be an integer in [1, 1,000,000]"),
         (["--repeats", "-1"], "error: --repeats -1: must be at least"),
     ],
     ids=["both-not-an-int", "both-zero", "stress-only-negative"],

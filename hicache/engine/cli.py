@@ -232,7 +232,7 @@ class ArgParser(argparse.ArgumentParser):
             return f"{_show(words[0])}: not a flag (every setting is a --flag; see --help)"
         name, eq, inline = words[flag].partition("=")
         value = [inline] if eq else words[flag + 1 :][:1]
-        near = difflib.get_close_matches(name, [o for o in self._option_string_actions if o.startswith("--")], 1)
+        near = difflib.get_close_matches(name, [o for o in self._option_string_actions if o.startswith("--")], 1, 0.75)
         hint = f" (did you mean {near[0]}?)" if near else " (see --help)"
         shown = f"{_show(name)} {_show(value[0])}" if value and (eq or not value[0].startswith("-")) else _show(name)
         return f"{shown}: unknown flag{hint}"
