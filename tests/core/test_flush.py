@@ -14,6 +14,7 @@ import torch
 from hicache import HiCache, HiCacheConfig
 from hicache.core.geometry import KVGeometry
 from hicache.spec.model import Tier
+from tests.core.test_shared_store import compute
 
 G = KVGeometry(2, 1, 4, 2, torch.float32)
 PROMPTS = [list(range(s, s + 8)) for s in (0, 100, 200)] + [
@@ -25,20 +26,6 @@ def cache(path: Path, policy: str, l2_pages: int = 16) -> HiCache:
     sizes = HiCacheConfig(G, l1_pages=16, l2_pages=l2_pages, l3_pages=32, device="cpu", policy="always")
     l3 = dataclasses.replace(sizes, storage_backend="dir", storage_path=str(path), model_id="m")
     return HiCache(dataclasses.replace(l3, write_policy=policy))
-
-
-def compute(c: HiCache, tokens: list[int], seed: int) -> torch.Tensor:
-    req = c.admit(tokens)
-    n = len(tokens) // G.page_size - req.cached_len // G.page_size
-    pages = c.allocate(req, n)
-    assert pages is not None
-    c.l1.buffer[:, :, pages] = torch.randn(
-        c.l1.buffer[:, :, pages].shape, generator=torch.Generator().manual_seed(seed)
-    )
-    c.insert(req, pages)
-    kv = c.l1.buffer[:, :, c.prefix_pages(req)].clone()
-    c.release(req)
-    return kv
 
 
 @pytest.mark.parametrize("l2_pages", [16, 6], ids=["l2-roomy", "l2-of-the-longest-path"])

@@ -42,8 +42,10 @@ def make(store: MemoryStore | None = None, **kw: object) -> tuple[HiCache, Memor
 
 
 def compute(c: HiCache, tokens: list[int], seed: int) -> torch.Tensor:
+    """Prefill ``tokens`` with seeded random K/V, insert, release, drain; their prefix's K/V."""
+    ps = c.config.geometry.page_size
     req = c.admit(tokens)
-    pages = c.allocate(req, len(tokens) // G.page_size - req.cached_len // G.page_size)
+    pages = c.allocate(req, len(tokens) // ps - req.cached_len // ps)
     assert pages is not None
     c.l1.buffer[:, :, pages] = torch.randn(
         c.l1.buffer[:, :, pages].shape, generator=torch.Generator().manual_seed(seed)
