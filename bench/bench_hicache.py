@@ -174,6 +174,8 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         row.update(restore_floor(engine, args, prefixes[0], prefix // ps))
         row["floor_ratio"] = row["ttft_ms"] / row["floor_ms"]
     engine.close()
+    # NOTE: progress where tqdm draws nothing (not a terminal: logs, CI, the GPU machine)
+    print(f"  {prefix} tokens, {tier}: TTFT median {row['ttft_ms']:.2f} ms", file=sys.stderr, flush=True)
     return row
 
 
