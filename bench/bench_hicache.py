@@ -40,18 +40,8 @@ import hicache.backends.transfer as transfer_engine
 import hicache.engine.engine as engine_module
 import hicache.engine.model as model_runner
 from hicache.engine import build_model
-from hicache.engine.cli import (
-    ArgParser,
-    FlagError,
-    add_engine_args,
-    check_flags,
-    dtype_of,
-    engine_from_args,
-    given_flags,
-    int_between,
-    served_from,
-    warn,
-)
+from hicache.engine.cli import ArgParser, add_engine_args, check_flags, dtype_of, engine_from_args, served_from, warn
+from hicache.flags import FlagError, given_flags, int_between
 
 # Engine flags this bench sets per tier and prefix length itself (run_tier), and why.
 SET_PER_TIER = {

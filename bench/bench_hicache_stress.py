@@ -50,16 +50,8 @@ from plots import plot_stress
 from tqdm import tqdm
 
 from hicache.engine import Engine, Output, build_model
-from hicache.engine.cli import (
-    ArgParser,
-    FlagError,
-    add_engine_args,
-    check_flags,
-    dtype_of,
-    engine_from_args,
-    int_between,
-    served_from,
-)
+from hicache.engine.cli import ArgParser, add_engine_args, check_flags, dtype_of, engine_from_args, served_from
+from hicache.flags import FlagError, int_between
 
 Config = tuple[str, str, str]  # (tier, storage, policy)
 SOURCES = {"recompute": "r", "L1": "1", "L2": "2", "L3": "3"}  # served_from -> letter

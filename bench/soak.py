@@ -33,15 +33,8 @@ from tqdm import tqdm
 
 from hicache.backends.faults import FaultKind
 from hicache.engine import Engine
-from hicache.engine.cli import (
-    ArgParser,
-    FlagError,
-    add_engine_args,
-    dtype_of,
-    engine_from_args,
-    positive_float,
-    served_from,
-)
+from hicache.engine.cli import ArgParser, add_engine_args, dtype_of, engine_from_args, served_from
+from hicache.flags import FlagError, positive_float
 
 FAULTS: list[tuple[FaultKind, str]] = [
     ("eio", "read"),

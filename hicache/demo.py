@@ -6,12 +6,12 @@ how a prompt's pages travel L1 -> L2 -> L3 and come back, and prints ``status()`
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 
 from hicache.core import CacheCore, TierSizes
+from hicache.flags import ArgParser, integer, positive_int
 from hicache.spec.model import Direction, Tier
 
 MAX_PROMPT_TOKENS = 1_000_000  # a few seconds and a few hundred MB of Python ints
@@ -23,18 +23,14 @@ def _line(core: CacheCore, label: str, prompt: tuple[int, ...]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m hicache.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--page-size", type=int, default=16, help="tokens per page (>= 1)")
+    ap = ArgParser("python -m hicache.demo", __doc__)
+    ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
     ap.add_argument(
-        "--prompt-tokens", type=int, default=1000, help=f"tokens per prompt (>= 2 pages, <= {MAX_PROMPT_TOKENS:,})"
+        "--prompt-tokens", type=integer, default=1000, help=f"tokens per prompt (>= 2 pages, <= {MAX_PROMPT_TOKENS:,})"
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=integer, default=0, help="random seed of the prompts")
     args = ap.parse_args(argv)
     ps = args.page_size
-    if ps < 1:
-        ap.error(f"--page-size {ps}: must be an integer >= 1")
     if args.prompt_tokens < 2 * ps:
         ap.error(f"--prompt-tokens {args.prompt_tokens}: must be at least two pages ({2 * ps} tokens)")
     if args.prompt_tokens > MAX_PROMPT_TOKENS:

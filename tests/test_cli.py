@@ -75,6 +75,11 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--requests", "100001"], "error: --requests 100001: must be an integer in [1, 100,000]"),
         (["--hicache-ratio", "-1"], "error: --hicache-ratio -1: must be >= 0"),
         (["--hicache-size", "nan"], "error: --hicache-size nan: not a finite number"),
+        # negative numbers argparse's own pattern would read as flags ("expected one argument")
+        (["--hicache-ratio", "-inf"], "error: --hicache-ratio -inf: not a finite number"),
+        (["--hicache-size", "-1e9"], "error: --hicache-size -1e9: must be >= 0"),
+        (["--hicache-storage-ratio", "-.5"], "error: --hicache-storage-ratio -.5: must be >= 0"),
+        (["--num-pages", "-NaN"], "error: --num-pages -NaN: not an integer"),
         (["--hicache-storage-size", "lots"], "error: --hicache-storage-size lots: not a number"),
         (["--hicache-prior-host-gib-s", "0"], "error: --hicache-prior-host-gib-s 0: must be > 0"),
         (["--dtype", "float8"], "error: --dtype float8: invalid choice (choose from auto, float32, bfloat16, float16)"),
@@ -348,7 +353,7 @@ def test_help_names_the_module_shows_defaults_and_documents_every_flag(capsys: p
 
 
 def args_of(argv: list[str]) -> tuple[argparse.Namespace, set[str]]:
-    from hicache.engine.cli import given_flags
+    from hicache.flags import given_flags
 
     ap = cli_main.parser()
     return ap.parse_args(argv), given_flags(ap, argv)
@@ -745,7 +750,8 @@ def test_numbers_keep_their_text_through_pickle_and_copy_and_the_config_holds_pl
     import copy
     import pickle
 
-    from hicache.engine.cli import Written, engine_kwargs
+    from hicache.engine.cli import engine_kwargs
+    from hicache.flags import Written
 
     args, _ = args_of(["--enable-hicache", "--hicache-ratio", "1e0", "--hicache-prior-host-gib-s", "7.50"])
     for again in (pickle.loads(pickle.dumps(args)), copy.deepcopy(args)):

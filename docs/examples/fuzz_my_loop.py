@@ -13,7 +13,6 @@ pytest). docs/TESTING.md explains what is checked and how to read a failure.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from hicache.backends.pools import l1_shape
 from hicache.backends.transfer import TransferEngine
 from hicache.core.geometry import KVGeometry
 from hicache.core.protocols import DeviceMover, TicketLike, TimingsLike
+from hicache.flags import ArgParser, positive_int
 from hicache.spec.model import TABLE
 from hicache.spec.request import REQUEST_TABLE
 from hicache.testing.facade_machine import machines_over, missing_transitions, sweep_recipes
@@ -154,16 +154,13 @@ def fuzz(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fuzz_my_loop.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--examples", type=int, default=50, help="runs per machine (default: %(default)s)")
-    ap.add_argument("--steps", type=int, default=40, help="most steps per run (default: %(default)s)")
+    ap = ArgParser("fuzz_my_loop.py", __doc__.splitlines()[0])
+    ap.add_argument("--examples", type=positive_int, default=50, help="runs per machine")
+    ap.add_argument("--steps", type=positive_int, default=40, help="most steps per run")
     ap.add_argument("--derandomize", action="store_true", help="the same runs every time (CI)")
     ap.add_argument("--no-sweep", action="store_true", help="random runs only")
     ap.add_argument("--broken", choices=["h2d", "d2h"], help="fuzz a mover that corrupts one byte per copy")
     args = ap.parse_args(argv)
-    for flag, value in (("--examples", args.examples), ("--steps", args.steps)):
-        if value < 1:
-            ap.error(f"{flag} {value}: must be an integer >= 1")
     mover = broken(args.broken) if args.broken else my_mover
     runs, reqs = fuzz(
         my_l1, mover, examples=args.examples, steps=args.steps, derandomize=args.derandomize, sweep=not args.no_sweep

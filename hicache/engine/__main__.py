@@ -36,21 +36,10 @@ try:
         )
         raise SystemExit(2) from None
 
-    from hicache.engine.cli import (
-        ArgParser,
-        FlagError,
-        add_engine_args,
-        engine_from_args,
-        given_flags,
-        ineffective_flags,
-        int_between,
-        integer,
-        port,
-        served_from,
-        warn,
-    )
+    from hicache.engine.cli import ArgParser, add_engine_args, engine_from_args, ineffective_flags, served_from, warn
     from hicache.engine.engine import Engine, Output
     from hicache.errors import is_out_of_memory
+    from hicache.flags import FlagError, given_flags, int_between, integer, port
     from hicache.metrics_http import MetricsServer
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)

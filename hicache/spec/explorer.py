@@ -14,12 +14,14 @@ model, ``TABLE``'s keys) to the transitions taken on the way to the state, and
 
 from __future__ import annotations
 
-import argparse
+import os
+import sys
 import time
 from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, Self
 
+from hicache.flags import ArgParser, positive_int
 from hicache.spec.invariants import Violation
 
 Coverage = Mapping[str, Collection[Hashable]]
@@ -158,12 +160,10 @@ def explore_main(
     """A command line over named configurations: ``[--config NAME]... [--depth N]``; exit 1
     if any configuration reports a violation. ``prog``: how usage names the command (the
     ``python -m`` line of a module; default: the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=description)
-    ap.add_argument("--config", choices=sorted(configs), action="append")
-    ap.add_argument("--depth", type=int, default=None, help="default: each configuration's own")
+    ap = ArgParser(prog or os.path.basename(sys.argv[0]), description)
+    ap.add_argument("--config", choices=sorted(configs), action="append", help="default: every configuration")
+    ap.add_argument("--depth", type=positive_int, default=None, help="default: each configuration's own")
     args = ap.parse_args(argv)
-    if args.depth is not None and args.depth < 1:
-        ap.error(f"--depth {args.depth}: must be at least 1")
     failed = False
     for name in args.config or sorted(configs):
         failed |= bool(run(name, args.depth).violations)

@@ -539,7 +539,9 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":
-    import argparse
+    from hicache.flags import ArgParser
 
-    argparse.ArgumentParser(description="Print the bad-input catalogue (docs/RELIABILITY.md) as markdown.").parse_args()
+    ArgParser(
+        "python -m hicache.testing.bad_inputs", "Print the bad-input catalogue (docs/RELIABILITY.md) as markdown."
+    ).parse_args()
     print(markdown())

@@ -181,7 +181,19 @@ def test_explore_main_refuses_an_unknown_configuration(capsys: pytest.CaptureFix
     with pytest.raises(SystemExit) as exit_:
         explore_main(["--config", "zz"], "toy", {"a", "b"}, runs)
     assert exit_.value.code == 2 and runs.calls == []
-    assert "invalid choice: 'zz'" in capsys.readouterr().err
+    assert capsys.readouterr().err == "error: --config zz: invalid choice (choose from a, b)\n"
+
+
+@pytest.mark.parametrize(
+    ("depth", "reason"), [("0", "must be an integer >= 1"), ("-inf", "not an integer"), ("x", "not an integer")]
+)
+def test_explore_main_refuses_a_bad_depth(depth: str, reason: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A depth below 1 or not an integer is one error line (exit 2); nothing runs."""
+    runs = _Runs()
+    with pytest.raises(SystemExit) as exit_:
+        explore_main(["--depth", depth], "toy", {"a", "b"}, runs)
+    assert exit_.value.code == 2 and runs.calls == []
+    assert capsys.readouterr().err == f"error: --depth {depth}: {reason}\n"
 
 
 def test_explore_main_help_documents_the_options(
@@ -195,7 +207,7 @@ def test_explore_main_help_documents_the_options(
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "Explore the toy." in text and "{a,b}" in text
-    assert "--depth DEPTH default: each configuration's own" in text
+    assert "--depth N default: each configuration's own" in text
 
 
 @pytest.mark.parametrize("module", ["explore_core", "explore_requests"])
