@@ -1124,3 +1124,19 @@ def test_a_cached_length_of_another_int_type_is_the_int(monkeypatch: pytest.Monk
     for _ in range(3):
         torch.testing.assert_close(staged.forward([([7], [3, 4, 5], cached)]), want, rtol=1e-4, atol=1e-4)
     assert staged.graph_replays == 3 and len(staged._graphs) == 1
+
+
+def test_drain_after_the_last_request_puts_its_pages_in_l3() -> None:
+    """An idle engine moves no backup along; ``engine.cache.drain()`` (ENGINE.md, before
+    another instance reads the store) returns with every backup landed: the whole prompt's
+    pages are in L3 and nothing is pending."""
+    e = engine(write_policy="write_through")
+    try:
+        prompt = list(range(1, 40))  # 9 whole pages of 4
+        e.generate(prompt, max_new_tokens=2)
+        e.cache.drain()
+        assert e.cache.status().pending_backups == 0
+        assert e.cache.core.match(prompt).lengths[2] == 36
+        e.cache.check_integrity()
+    finally:
+        e.close()
