@@ -69,6 +69,12 @@ class MetricsServer:
             timeout = 5.0
 
             def do_GET(self) -> None:
+                self._answer(with_body=True)
+
+            def do_HEAD(self) -> None:  # a liveness check: the headers GET would send
+                self._answer(with_body=False)
+
+            def _answer(self, *, with_body: bool) -> None:
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404, "only /metrics is served")
                     return
@@ -78,7 +84,8 @@ class MetricsServer:
                     self.send_header("Content-Type", CONTENT_TYPE_LATEST)
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
-                    self.wfile.write(body)
+                    if with_body:
+                        self.wfile.write(body)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the scraper left: nothing to tell it
 

@@ -155,6 +155,27 @@ def test_server_serves_the_latest_published_text_on_loopback() -> None:
         assert server._server is not None and server._server.server_address[0] == "127.0.0.1"
 
 
+def test_head_answers_with_the_headers_of_a_scrape_and_no_body() -> None:
+    """A liveness probe's HEAD /metrics: 200, the content type and the length GET would
+    send, no body; other paths 404."""
+    import http.client
+
+    with MetricsServer(port=0) as server:
+        server.publish(Metrics().prometheus(EVICTIONS))
+        size = len(get(f"http://127.0.0.1:{server.port}/metrics")[2])
+        for path, status in (("/metrics", 200), ("/other", 404)):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+                conn.request("HEAD", path)
+                reply = conn.getresponse()
+                assert reply.status == status and reply.read() == b""
+                if status == 200:
+                    assert reply.getheader("Content-Type", "").startswith("text/plain")
+                    assert int(reply.getheader("Content-Length", "-1")) == size
+            finally:
+                conn.close()
+
+
 def test_stop_joins_the_thread_and_frees_the_port() -> None:
     """After ``stop`` no server thread is left and the port refuses connections."""
     settle()
