@@ -222,8 +222,13 @@ class Workload:
     insert_output: bool = False  # cache the reply too (hicache's engine caches the prompt only)
 
     def __post_init__(self) -> None:
-        if min(self.requests, self.system_prompts, self.conversations) < 1 or self.turns_mean < 1:
-            raise ConfigError(f"requests, system prompts, conversations and turns_mean must be >= 1: {self}")
+        if min(self.requests, self.system_prompts, self.conversations) < 1:
+            raise ConfigError(f"requests, system prompts and conversations must be >= 1: {self}")
+        if not 1 <= self.turns_mean < math.inf:
+            raise ConfigError(f"turns_mean must be a finite number >= 1, got {self.turns_mean!r}")
+        for name, alpha in (("system_zipf", self.system_zipf), ("conversation_zipf", self.conversation_zipf)):
+            if not alpha >= 0:  # a zipf exponent: 0 is uniform, inf only the first; NaN draws nothing
+                raise ConfigError(f"{name} must be a number >= 0, got {alpha!r}")
         for lo, hi in (self.system_tokens, self.user_tokens, self.output_tokens):
             if not 1 <= lo <= hi:
                 raise ConfigError(f"token ranges need 1 <= min <= max: {self}")

@@ -22,6 +22,7 @@ from hicache.spec.model import Direction, Tier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import fleet
+from common import guarded
 from fleet import Costs, Fleet, Link, PrefixStore, Request, Workload, decide, make_request, simulate
 
 PT = 16
@@ -278,3 +279,24 @@ def test_quick_sizes_yield_to_the_flags_given(tmp_path: Path) -> None:
     meta = json.loads(next(tmp_path.glob("fleet-*-q.json")).read_text())["meta"]
     assert meta["workload"]["requests"] == 50 and meta["workload"]["conversations"] == 300
     assert meta["fleet"]["l1_tokens"] == 40_000
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--turns-mean", "inf"], "turns_mean must be a finite number >= 1, got inf"),
+        (["--turns-mean", "0.5"], "turns_mean must be a finite number >= 1, got 0.5"),
+        (["--system-zipf", "nan"], "system_zipf must be a number >= 0, got nan"),
+        (["--conversation-zipf", "-1"], "conversation_zipf must be a number >= 0, got -1.0"),
+    ],
+)
+def test_a_workload_that_cannot_be_drawn_is_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """An endless conversation (turns_mean inf divided by zero while drawing turns) or a
+    NaN or negative Zipf exponent is one error line (exit 2), with nothing written."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        guarded(lambda: fleet.main(["--quick", *argv, "--out", str(out)]))  # as __main__ runs it
+    assert exc.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+    assert not out.exists()
