@@ -201,6 +201,7 @@ class Controller:
         self._deferred: dict[tuple[int, Direction], Node] = {}  # backups waiting for a transfer above them
         self._lost: dict[int, Node] = {}  # runs a shared store lost, forgotten once nothing reads them
         self._stragglers: dict[int, _Job] = {}  # L3 I/O past its deadline, still running
+        self._never_fits: set[Tier] = set()  # tiers already warned about a backup larger than all of them
         # Restores finished by drain() or another request's blocking restore(): the next
         # poll() reports them (an engine waiting for one would otherwise wait forever).
         self._unreported: list[PendingRestore] = []
@@ -770,10 +771,28 @@ class Controller:
         if self.core.can_start(direction, node):
             if self._start(direction, node, None) is None:
                 self.metrics.backups_skipped += 1
+                self._warn_if_never_fits(node, direction)
         elif any(n.inflight[d] is not None for n in self.core.segment(direction, node) for d in Direction):
             self._deferred[(node.id, direction)] = node  # retried when a transfer ends
         else:
             self.metrics.backups_skipped += 1
+
+    def _warn_if_never_fits(self, node: Node, direction: Direction) -> None:
+        """Say once why a backup can never happen: its pages outnumber its whole target tier
+        (a prompt longer than L2 is neither in L2 nor in L3, so no restart finds it)."""
+        tier = direction.target
+        need = sum(len(n.key) for n in self.core.segment(direction, node)) // self.core.page_size
+        have = self.core.sizes.l2_pages if tier is Tier.L2 else self.core.sizes.l3_pages
+        if need > have and tier not in self._never_fits:
+            self._never_fits.add(tier)
+            log.warning(
+                "hicache: a run of %d pages is larger than all of %s (%d pages): it is not backed up; "
+                "give %s at least as many pages as the longest prompt (L1's)",
+                need,
+                tier.name,
+                have,
+                tier.name,
+            )
 
     def _forget(self, node: Node) -> None:
         """A shared store lost ``node``'s pages: forget its L3 copy (and below) now, or once

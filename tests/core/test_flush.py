@@ -89,3 +89,31 @@ def test_a_hung_store_ends_the_flush_at_the_first_write_past_its_deadline(tmp_pa
         assert c.metrics.l3_deadline_failures == 1
     finally:
         c.faults.release()
+
+
+def test_a_run_larger_than_all_of_l2_is_skipped_and_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A 6-page prompt over a 4-page L2 can never be staged: skipped (counted), and one
+    warning names the sizes, however many times it happens; a prompt that fits says nothing."""
+    with (
+        caplog.at_level("WARNING", logger="hicache.core.controller"),
+        cache(tmp_path / "l3", "write_through", l2_pages=4) as c,
+    ):
+        compute(c, PROMPTS[0][:6], seed=0)  # 3 pages: fits
+        c.drain()
+        assert not [r for r in caplog.records if "larger than all" in r.getMessage()]
+        assert c.core.match(PROMPTS[0][:6]).lengths == (6, 6, 6)
+        for i, p in enumerate(PROMPTS[1:3]):  # 4 pages each: all of L2, which fits
+            compute(c, p, seed=i + 1)
+        c.drain()
+        assert not [r for r in caplog.records if "larger than all" in r.getMessage()]
+        skipped = c.status().metrics["backups_skipped"]
+        for i in range(2):
+            compute(c, [*range(300 + 20 * i, 312 + 20 * i)], seed=10 + i)  # 6 pages
+        c.drain()
+        assert c.status().metrics["backups_skipped"] == skipped + 2
+        said = [r.getMessage() for r in caplog.records if "larger than all" in r.getMessage()]
+        assert said == [
+            "hicache: a run of 6 pages is larger than all of L2 (4 pages): it is not backed up; "
+            "give L2 at least as many pages as the longest prompt (L1's)"
+        ]
+        c.check_integrity()
