@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgParser("python bench/fleet.py", __doc__)
     ap.add_argument("--instances", type=at_least(1), nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--requests", type=at_least(1), default=None, help=f"default: {d_w.requests} (--quick: 6000)")
-    ap.add_argument("--seed", type=int, default=d_w.seed)
+    ap.add_argument("--seed", type=at_least(0), default=d_w.seed)
     ap.add_argument(
         "--system-prompts", type=at_least(1), default=None, help=f"default: {d_w.system_prompts} (--quick: 20)"
     )

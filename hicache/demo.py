@@ -11,7 +11,7 @@ import random
 import sys
 
 from hicache.core import CacheCore, TierSizes
-from hicache.flags import ArgParser, integer, positive_int
+from hicache.flags import ArgParser, given_flags, int_between, integer, nonneg_int
 from hicache.spec.model import Direction, Tier
 
 MAX_PROMPT_TOKENS = 1_000_000  # a few seconds and a few hundred MB of Python ints
@@ -24,15 +24,20 @@ def _line(core: CacheCore, label: str, prompt: tuple[int, ...]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = ArgParser("python -m hicache.demo", __doc__)
-    ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
+    ap.add_argument("--page-size", type=int_between(1, 1 << 16), default=16, metavar="N", help="tokens per page")
     ap.add_argument(
         "--prompt-tokens", type=integer, default=1000, help=f"tokens per prompt (>= 2 pages, <= {MAX_PROMPT_TOKENS:,})"
     )
-    ap.add_argument("--seed", type=integer, default=0, help="random seed of the prompts")
+    ap.add_argument("--seed", type=nonneg_int, default=0, help="random seed of the prompts")
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     ps = args.page_size
     if args.prompt_tokens < 2 * ps:
-        ap.error(f"--prompt-tokens {args.prompt_tokens}: must be at least two pages ({2 * ps} tokens)")
+        if "prompt_tokens" in given_flags(ap, argv):
+            ap.error(f"--prompt-tokens {args.prompt_tokens}: must be at least two pages ({2 * ps} tokens)")
+        # NOTE: name the flag the user wrote, not the default it collides with
+        n = args.prompt_tokens
+        ap.error(f"--page-size {ps}: must be at most {n // 2} (the {n}-token prompt must hold two pages)")
     if args.prompt_tokens > MAX_PROMPT_TOKENS:
         ap.error(
             f"--prompt-tokens {args.prompt_tokens}: at most {MAX_PROMPT_TOKENS} (the demo holds every token in memory)"

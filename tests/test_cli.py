@@ -436,6 +436,20 @@ def test_warnings_reach_stderr_and_the_run_still_succeeds(capsys: pytest.Capture
     assert "warning: --hicache-storage-path has no effect without --enable-hicache" in err.splitlines()
 
 
+def test_a_run_without_a_terminal_says_how_far_it_got_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where tqdm draws no bar (a log, a pipe: here capsys), a line says how many requests
+    are done every PROGRESS_EVERY_S (0 here: every step); stdout keeps only the summary."""
+    monkeypatch.setattr(cli_main, "PROGRESS_EVERY_S", 0.0)
+    code, out, err = run_main([*SMALL, "--requests", "3", "--concurrency", "1"], capsys)
+    assert code == 0 and "3 requests: 3 served, 0 failed" in out and "requests:" not in out.split("\n3 requests")[0]
+    lines = [x for x in err.splitlines() if x.startswith("requests: ")]
+    counts = [int(x.split()[1].split("/")[0]) for x in lines]
+    assert lines and all(x.split()[1].endswith("/3") for x in lines)
+    assert counts == sorted(counts) and counts[-1] == 3 and 1 in counts
+
+
 def test_every_request_failing_exits_1_with_the_reason(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -535,6 +549,9 @@ def test_an_l1_pool_past_what_a_tensor_holds_says_so_without_torch_internals(
 def test_the_seed_is_an_integer_like_every_other_count(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_main(["--seed", "1e3"], capsys)
     assert (code, err.splitlines()[-1]) == (2, "error: --seed 1e3: not an integer")
+    # a negative seed drew the same prompts as its absolute value (random.Random(-1) == Random(1))
+    code, _, err = run_main(["--seed", "-1"], capsys)
+    assert (code, err.splitlines()[-1]) == (2, "error: --seed -1: must be an integer >= 0")
 
 
 def test_paged_attention_on_a_cpu_is_a_flag_error(

@@ -20,14 +20,20 @@ def test_the_demo_runs_and_brings_a_prompt_back_from_every_tier(capsys: pytest.C
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--page-size", "0"], "--page-size 0: must be an integer >= 1"),
-        (["--page-size", "-1"], "--page-size -1: must be an integer >= 1"),
+        (["--page-size", "0"], "--page-size 0: must be an integer in [1, 65,536]"),
+        (["--page-size", "-1"], "--page-size -1: must be an integer in [1, 65,536]"),
         (["--page-size", "x"], "--page-size x: not an integer"),
         (["--seed", "1.5"], "--seed 1.5: not an integer"),
         (["--page-sise", "4"], "--page-sise 4: unknown flag (did you mean --page-size?)"),
         (["4"], "4: not a flag (every setting is a --flag; see --help)"),
         (["--prompt-tokens", "5"], "--prompt-tokens 5: must be at least two pages (32 tokens)"),
-        (["--page-size", "2000"], "--prompt-tokens 1000: must be at least two pages (4000 tokens)"),
+        (["--page-size", "2000"], "--page-size 2000: must be at most 500 (the 1000-token prompt must hold two pages)"),
+        (
+            ["--page-size", "2000", "--prompt-tokens", "1000"],
+            "--prompt-tokens 1000: must be at least two pages (4000 tokens)",
+        ),
+        (["--page-size", "70000"], "--page-size 70000: must be an integer in [1, 65,536]"),
+        (["--seed", "-1"], "--seed -1: must be an integer >= 0"),
         (
             ["--prompt-tokens", str(10**12)],
             f"--prompt-tokens {10**12}: at most 1000000 (the demo holds every token in memory)",

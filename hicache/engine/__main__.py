@@ -39,13 +39,14 @@ try:
     from hicache.engine.cli import ArgParser, add_engine_args, engine_from_args, ineffective_flags, served_from, warn
     from hicache.engine.engine import Engine, Output
     from hicache.errors import is_out_of_memory
-    from hicache.flags import FlagError, given_flags, int_between, integer, port
+    from hicache.flags import FlagError, given_flags, int_between, nonneg_int, port
     from hicache.metrics_http import MetricsServer
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     raise SystemExit(130) from None
 
 PUBLISH_EVERY_S = 0.5  # how stale /metrics may be while the workload runs
+PROGRESS_EVERY_S = 10.0  # a progress line on stderr this often where no bar is drawn (a log, a pipe)
 
 
 def parser() -> ArgParser:
@@ -60,7 +61,7 @@ def parser() -> ArgParser:
     w.add_argument("--suffix-tokens", type=int_between(0, 1_000_000), default=8, help="random tokens after the prefix")
     w.add_argument("--max-new-tokens", type=int_between(1, 1_000_000), default=4, help="tokens generated per request")
     w.add_argument("--concurrency", type=int_between(1, 100_000), default=4, help="requests in flight at once")
-    w.add_argument("--seed", type=integer, default=0, help="seed of the workload (prompts)")
+    w.add_argument("--seed", type=nonneg_int, default=0, help="seed of the workload (prompts)")
     w.add_argument(
         "--json",
         action="store_true",
@@ -100,7 +101,7 @@ def serve(
     engine: Engine, prompts: list[list[int]], args: argparse.Namespace, server: MetricsServer | None
 ) -> list[Output]:
     outs: list[Output] = []
-    published = time.perf_counter()
+    published = start = said = time.perf_counter()
     with tqdm(total=len(prompts), desc="requests", disable=None) as bar:
         submitted = 0
         while len(outs) < len(prompts):
@@ -110,6 +111,9 @@ def serve(
             done = engine.step()
             outs.extend(done)
             bar.update(len(done))
+            if bar.disable and time.perf_counter() - said >= PROGRESS_EVERY_S:  # no bar drawn (a log, a pipe)
+                said = time.perf_counter()
+                print(f"requests: {len(outs)}/{len(prompts)} done ({said - start:.0f} s)", file=sys.stderr, flush=True)
             if server is not None and time.perf_counter() - published > PUBLISH_EVERY_S:
                 server.publish(engine.cache.prometheus())
                 published = time.perf_counter()
