@@ -372,6 +372,10 @@ class HiCache:
         """Finished or aborted: the request holds nothing (:meth:`Controller.release`)."""
         self.controller.release(req)
 
+    def requests(self) -> list[Request]:
+        """The requests admitted and not yet released (:meth:`Controller.requests`)."""
+        return self.controller.requests()
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Teach the recompute model (:meth:`Controller.observe_prefill`)."""
         self.controller.observe_prefill(tokens, seconds)

@@ -925,6 +925,12 @@ class Controller:
 
     # -- observability and shutdown ----------------------------------------------------------
 
+    def requests(self) -> list[Request]:
+        """The requests admitted and not yet released, oldest first: what a caller that lost
+        track of some (an interrupt between ``admit`` and keeping its result) releases."""
+        self._enter()
+        return list(self._requests.values())
+
     def status(self) -> ControllerStatus:
         """Capacity/free/protected/evictable per tier, pending work, backends, cost model,
         metrics; typed (``.to_dict()`` for JSON)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import math
 import threading
 import time
@@ -66,6 +67,8 @@ from hicache.engine.signals import LayerSignals
 from hicache.errors import ConfigError, HiCacheError, IntegrityError, MisuseError
 from hicache.facade import HiCache, HiCacheConfig, _default_device
 from hicache.spec.model import Direction, Tier
+
+log = logging.getLogger(__name__)
 
 # A signalled layered restore launches its forward once this many layer groups of its copy
 # are queued (TransferEngine.flush's midway): sooner, the copy engine may run dry while the
@@ -146,6 +149,7 @@ class _Seq:
     prefill_s: float = 0.0
     own: list[DevicePage] = field(default_factory=list)  # private pages allocated ahead (layered)
     layered: _Layered | None = None
+    emitted: bool = False  # its Output is out (finished, failed or aborted)
 
 
 @dataclass
@@ -383,6 +387,7 @@ class Engine:
         self._idle_streak = 0  # idle steps in a row while every restore reads storage
         self._admission_held = False  # a request gave its pins back for others: admit none until one moves
         self._starting: list[tuple[_Seq, Plan]] = []  # admitted in this step, restore not yet started
+        self._interrupted = False  # an exception escaped mid-step and its recovery has not finished
         self._starts_beside_prefill_done: float | None = None  # when this step's starts beside its prefill returned
         self._batch_end: Any = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
 
@@ -420,15 +425,19 @@ class Engine:
         the request is not known (finished or never submitted)."""
         self._check_open()
         _check_rid("abort", rid)
-        seq = self._active.pop(rid, None)
+        seq = self._active.get(rid) or next((s for s in self._waiting if s.id == rid), None)
         if seq is None:
-            seq = next((s for s in self._waiting if s.id == rid), None)
-            if seq is None:
-                return False
-            self._waiting.remove(seq)
-        self._drop(seq)
-        self.stats.aborted += 1
-        self._emit(seq, error="aborted")
+            return False
+        try:
+            self.stats.aborted += 1
+            self._emit(seq, error="aborted")
+            if self._active.pop(rid, None) is None:
+                self._waiting.remove(seq)
+            self._drop(seq)
+        except BaseException as exc:
+            if not isinstance(exc, IntegrityError):
+                self._tidy()
+            raise
         return True
 
     def _check_open(self) -> None:
@@ -479,8 +488,45 @@ class Engine:
         """One scheduler iteration (see the module docstring); returns requests finished in it.
 
         A request that cannot be served (a cache refusal, no room at all, out of device
-        memory in its forward) finishes with ``error`` set; the step goes on."""
+        memory in its forward) finishes with ``error`` set; the step goes on. An exception
+        that is no request's failure (Ctrl-C, a bug outside hicache) propagates; the requests
+        it cut short go on at the next call, or finish with ``error="interrupted: ..."`` where
+        their pages may already be the tree's, and nothing they held stays held."""
         self._check_open()
+        if self._interrupted:
+            self._tidy()  # a second interrupt cut the last tidy-up short
+        try:
+            return self._step()
+        except BaseException as exc:
+            if not isinstance(exc, IntegrityError):  # a bug in hicache: the cache is not to be trusted
+                self._tidy()
+            raise
+
+    def _tidy(self) -> None:
+        """After an exception escaped a step or an abort: finish the requests that have all
+        their tokens and forget those whose Output is out (an interrupt on their way out:
+        decoded again, they would get one token too many or a second Output), then release
+        every cache request no active request holds (one admitted but not yet kept, or one
+        whose request was forgotten before its release)."""
+        self._interrupted = True
+        active = list(self._active.values())
+        done = [s for s in active if s.emitted or (s.state is SeqState.DECODING and len(s.out) >= s.max_new)]
+        for seq in done:
+            if not seq.emitted:
+                self._emit(seq)
+                self.stats.finished += 1
+            self._active.pop(seq.id, None)
+            self._drop(seq)
+        held = {id(s.req) for s in self._active.values() if s.req is not None}
+        for req in self.cache.requests():
+            if id(req) not in held:
+                try:
+                    self.cache.release(req)
+                except HiCacheError as failure:  # NOTE: the others are still given back
+                    log.warning("hicache engine: releasing request #%d after an interrupt failed: %r", req.id, failure)
+        self._interrupted = False
+
+    def _step(self) -> list[Output]:
         cache = self.cache
         t0 = time.perf_counter()
         finished = cache.poll()
@@ -937,10 +983,20 @@ class Engine:
         seq.cached = req.cached_len
         aligned = len(prompt) - len(prompt) % ps
         t0 = time.perf_counter()
-        cache.insert(req, own[: max(0, aligned // ps - req.cached_len // ps)])
-        # Tokens [0, cached_len) now read from the tree's pages, the rest from our own
-        # (cached_len < aligned where the tree refused pages: a transfer is in flight there).
-        seq.pages = cache.prefix_pages(req) + own[(req.cached_len - cached) // ps :]
+        try:
+            cache.insert(req, own[: max(0, aligned // ps - req.cached_len // ps)])
+            # Tokens [0, cached_len) now read from the tree's pages, the rest from our own
+            # (cached_len < aligned where the tree refused pages: a transfer is in flight there).
+            seq.pages = cache.prefix_pages(req) + own[(req.cached_len - cached) // ps :]
+        except BaseException as exc:
+            if not isinstance(exc, HiCacheError):
+                # NOTE: cut short (Ctrl-C), its pages may be the tree's already: prefilled
+                # again over them, it would write the tree's pages. It ends here instead.
+                try:
+                    self._fail(seq, f"interrupted: {type(exc).__name__}")
+                except HiCacheError as failure:  # NOTE: the interrupt is what the caller hears
+                    log.warning("hicache engine: giving back request %d failed: %r", seq.id, failure)
+            raise
         self.stats.cache_s += time.perf_counter() - t0
         seq.out.append(token)
         seq.state = SeqState.DECODING
@@ -999,22 +1055,26 @@ class Engine:
             if len(seq.out) >= seq.max_new:
                 self._complete(seq)
 
+    # NOTE: each way out emits first, then forgets the request, then gives back what it holds:
+    # an interrupt between any two leaves it out once, and what it holds to _tidy.
+
     def _complete(self, seq: _Seq) -> None:
-        del self._active[seq.id]
         assert seq.req is not None
+        self._emit(seq)
+        self.stats.finished += 1
+        del self._active[seq.id]
         t0 = time.perf_counter()
         self.cache.release(seq.req)
         self.stats.cache_s += time.perf_counter() - t0
-        self.stats.finished += 1
-        self._emit(seq)
 
     def _fail(self, seq: _Seq, why: str) -> None:
-        self._active.pop(seq.id, None)
-        self._drop(seq)
         self.stats.errors += 1
         self._emit(seq, error=why)
+        self._active.pop(seq.id, None)
+        self._drop(seq)
 
     def _emit(self, seq: _Seq, error: str | None = None) -> None:
+        seq.emitted = True
         self._finished.append(
             Output(
                 seq.id,

@@ -1,0 +1,157 @@
+"""An exception that is no request's failure (Ctrl-C, a bug outside hicache) landing anywhere
+in a step: it propagates, every request in flight finishes once (its tokens, or
+``interrupted: ...``), nothing stays held in the cache, and every later request gets the
+tokens of a recompute (no page the tree owns was written by a request retried over it)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from hicache.engine import Engine
+
+PS = 4
+# two prompts sharing 2 pages, one page-aligned, one a page and a token; L1 holds about two
+PROMPTS = [
+    list(range(1, 14)),
+    [*range(1, 9), 90, 91, 92, 93, 94],
+    list(range(200, 212)),
+    list(range(300, 305)),
+]
+CACHE_CALLS = [
+    "admit",
+    "plan",
+    "allocate",
+    "prefix_pages",
+    "insert",
+    "release",
+    "poll",
+    "start_restore",
+    "restore",
+    "observe_prefill",
+    "note_decode",
+    "settle",
+]
+
+
+class Interrupt(KeyboardInterrupt):
+    """Ctrl-C, as Python raises it between two bytecodes."""
+
+
+def engine() -> Engine:
+    return Engine(
+        "tiny",
+        device="cpu",
+        page_size=PS,
+        num_pages=12,
+        enable_hicache=True,
+        l2_pages=48,
+        l3_pages=96,
+        policy="always",
+        transfer_backend="torch",
+    )
+
+
+@functools.cache
+def reference() -> dict[tuple[int, ...], list[int]]:
+    e = Engine("tiny", device="cpu", page_size=PS, num_pages=64)
+    try:
+        return {tuple(p): e.generate(p, max_new_tokens=3).tokens for p in PROMPTS}
+    finally:
+        e.close()
+
+
+def interrupt_at(obj: Any, name: str, nth: int, after: bool) -> list[int]:
+    """Make the ``nth`` call of ``obj.name`` raise :class:`Interrupt`, before or after it ran."""
+    real: Callable[..., Any] = getattr(obj, name)
+    calls = [0]
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == nth and not after:
+            raise Interrupt(name)
+        out = real(*args, **kwargs)
+        if calls[0] == nth:
+            raise Interrupt(name)
+        return out
+
+    setattr(obj, name, wrapped)
+    return calls
+
+
+def serve(e: Engine, rounds: int) -> tuple[dict[int, tuple[int, ...]], list[Any], int]:
+    """Submit every prompt ``rounds`` times (evicting, restoring from L2 and L3), stepping
+    through interrupts; the ids submitted, the outputs, the interrupts caught."""
+    ids: dict[int, tuple[int, ...]] = {}
+    outs: list[Any] = []
+    caught = 0
+    for _ in range(rounds):
+        for p in PROMPTS:
+            ids[e.submit(p, max_new_tokens=3)] = tuple(p)
+            for _ in range(2):
+                try:
+                    outs.extend(e.step())
+                except Interrupt:
+                    caught += 1
+    while e.pending:
+        try:
+            outs.extend(e.run())
+        except Interrupt:
+            caught += 1
+    return ids, outs, caught
+
+
+def check_clean(e: Engine) -> None:
+    e.cache.drain()
+    e.cache.check_integrity()
+    s = e.cache.status()
+    assert s.requests == 0 and s.core.leases == 0, s
+    assert all(t.private == 0 and t.protected == 0 for t in s.core.tiers), s.core.tiers
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+@pytest.mark.parametrize("nth", [1, 2, 5])
+@pytest.mark.parametrize("name", [*CACHE_CALLS, "forward", "_emit"])
+def test_an_interrupt_anywhere_in_a_step_loses_nothing_and_corrupts_nothing(name: str, nth: int, after: bool) -> None:
+    want = reference()
+    e = engine()
+    try:
+        # the runner's forward, the cache's calls, and the engine's own emitting of an Output
+        # (the window between a request's Output and the engine forgetting it)
+        target = e.runner if name == "forward" else e if name == "_emit" else e.cache
+        calls = interrupt_at(target, name, nth, after)
+        ids, outs, caught = serve(e, rounds=3)
+        assert caught == (1 if calls[0] >= nth else 0)
+        assert sorted(o.id for o in outs) == sorted(ids)  # each request finished exactly once
+        for o in outs:
+            assert o.error is None or o.error == "interrupted: Interrupt", o.error
+            if o.error is None:
+                assert o.tokens == want[ids[o.id]], (o.id, ids[o.id])
+        check_clean(e)
+        for p in PROMPTS:  # served from whatever the interrupted run left in the cache
+            assert e.generate(p, max_new_tokens=3).tokens == want[tuple(p)], p
+        check_clean(e)
+    finally:
+        e.close()
+
+
+def test_an_interrupt_in_abort_loses_nothing() -> None:
+    """Ctrl-C while an abort gives a request's pages back: the request is out once, and the
+    next step gives back what it still held."""
+    e = engine()
+    try:
+        rid = e.submit(PROMPTS[0], max_new_tokens=3)
+        e.step()
+        interrupt_at(e.cache, "release", 1, after=False)
+        with pytest.raises(Interrupt):
+            e.abort(rid)
+        outs = e.run()
+        assert [(o.id, o.error) for o in outs] == [(rid, "aborted")]
+        assert not e.abort(rid)
+        check_clean(e)
+        assert e.generate(PROMPTS[0], max_new_tokens=3).tokens == reference()[tuple(PROMPTS[0])]
+    finally:
+        e.close()
