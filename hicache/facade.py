@@ -189,6 +189,26 @@ def _check_memory_for_l1(config: HiCacheConfig) -> None:
         raise MemoryError(f"more than {where} ({have / 2**30:.1f} GiB)")
 
 
+def _check_memory_for_l2(config: HiCacheConfig) -> None:
+    """L2 lives in host memory, beside L1 when L1 is on the CPU too: pools that together
+    outgrow the machine are refused here (each alone could pass, and zeroed pages never
+    touched would let the run start and be killed later)."""
+    have = _host_memory()
+    l2 = config.l2_pages * config.geometry.bytes_per_page
+    l1 = config.l1_pages * config.geometry.bytes_per_page if torch.device(config.device).type == "cpu" else 0
+    if have is not None and l2 and l1 <= have < l1 + l2:  # NOTE: an L1 too large alone is L1's to refuse
+        beside = f" beside the L1 pool's {l1 / 2**30:.4g} GiB" if l1 else ""
+        raise MemoryError(f"more than this machine's host memory ({have / 2**30:.1f} GiB){beside}")
+
+
+def _l2_refused(config: HiCacheConfig, exc: BaseException) -> ConfigError:
+    g = config.geometry
+    return ConfigError(
+        f"cannot allocate the L2 pool: l2_pages {config.l2_pages} x page_size {g.page_size} tokens = "
+        f"{config.l2_pages * g.bytes_per_page / 2**30:.4g} GiB: {_first_line(exc)}"
+    )
+
+
 def _host_memory() -> int | None:
     """The machine's physical memory in bytes, or None where the system does not say (then
     the allocator alone judges a pool's size)."""
@@ -243,6 +263,10 @@ class HiCache:
             _check_not_shared(l1_buffer)
         self.config = config
         self.faults = FaultInjector()
+        try:  # NOTE: before L1 is allocated: a refusal here costs no allocation
+            _check_memory_for_l2(config)
+        except MemoryError as exc:
+            raise _l2_refused(config, exc) from exc
         try:
             if l1_buffer is None:
                 _check_memory_for_l1(config)
@@ -260,10 +284,7 @@ class HiCache:
         try:
             self.l2 = HostPool(g, max(1, config.l2_pages))
         except (RuntimeError, MemoryError, TypeError, ValueError, OverflowError) as exc:
-            raise ConfigError(
-                f"cannot allocate the L2 pool: l2_pages {config.l2_pages} x page_size {g.page_size} tokens = "
-                f"{config.l2_pages * g.bytes_per_page / 2**30:.4g} GiB: {_first_line(exc)}"
-            ) from exc
+            raise _l2_refused(config, exc) from exc
         self.device = TransferEngine(self.l1, self.l2, config.transfer_backend, faults=self.faults)
         if config.l2_pages:
             self.device.prepare()  # one-time setup here, not in a live request's restore

@@ -815,3 +815,18 @@ def test_layered_restore_without_hicache_is_warned_about_once(capsys: pytest.Cap
     assert [ln for ln in err.splitlines() if "layered" in ln] == [
         "warning: --hicache-layered-restore has no effect without --enable-hicache"
     ]
+
+
+def test_pools_that_fit_alone_but_not_together_on_a_cpu_are_a_flag_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """On a CPU L1 and L2 share host memory: each 60% of it passes alone, together they are
+    refused before either is allocated, naming the flag that sized L2."""
+    page = 8192  # bytes per page of the tiny model at page size 16
+    pages = int(0.6 * HOST_GIB * 2**30 / page)
+    gib = pages * page / 2**30
+    code, out, err = run_main(["--enable-hicache", "--num-pages", str(pages), "--hicache-ratio", "1"], capsys)
+    lines = [ln for ln in err.splitlines() if not ln.startswith("warning: ")]
+    assert code == 2 and out == "" and len(lines) == 1
+    assert lines[0] == (
+        f"error: --hicache-ratio 1: cannot allocate the L2 pool: L2 pages {pages} x --page-size 16 tokens = "
+        f"{gib:.4g} GiB: more than this machine's host memory ({HOST_GIB:.1f} GiB) beside the L1 pool's {gib:.4g} GiB"
+    )
