@@ -87,6 +87,7 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         policy="always",
         max_batch=1,
     )
+    print(f"  {prefix} tokens, {tier}: running", file=sys.stderr, flush=True)  # a long prefill says nothing
     engine.cache.device.split_layered = args.split_layered
     if args.d2d_runs is not None:
         engine.cache.device.d2d_runs = args.d2d_runs

@@ -25,6 +25,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -119,11 +120,13 @@ def object_census() -> tuple[collections.Counter[str], int]:
     gc.collect()
     census: collections.Counter[str] = collections.Counter()
     storages: dict[int, int] = {}
-    for o in gc.get_objects():
-        census[type(o).__qualname__] += 1
-        if isinstance(o, torch.Tensor) and o.device.type == "cpu" and not o.is_meta:
-            st = o.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
+    with warnings.catch_warnings():  # NOTE: isinstance on every live object touches deprecated torch aliases
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            census[type(o).__qualname__] += 1
+            if isinstance(o, torch.Tensor) and o.device.type == "cpu" and not o.is_meta:
+                st = o.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
     return census, sum(storages.values())
 
 
