@@ -516,7 +516,10 @@ class Engine:
                 self._emit(seq)
                 self.stats.finished += 1
             self._active.pop(seq.id, None)
-            self._drop(seq)
+            try:
+                self._drop(seq)
+            except HiCacheError as failure:  # NOTE: the exception that escaped is what the caller hears
+                log.warning("hicache engine: giving back request %d after an interrupt failed: %r", seq.id, failure)
         held = {id(s.req) for s in self._active.values() if s.req is not None}
         for req in self.cache.requests():
             if id(req) not in held:
@@ -1068,8 +1071,9 @@ class Engine:
         self.stats.cache_s += time.perf_counter() - t0
 
     def _fail(self, seq: _Seq, why: str) -> None:
-        self.stats.errors += 1
-        self._emit(seq, error=why)
+        if not seq.emitted:  # NOTE: failed once already when an exception passes two handlers
+            self.stats.errors += 1
+            self._emit(seq, error=why)
         self._active.pop(seq.id, None)
         self._drop(seq)
 

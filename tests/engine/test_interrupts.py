@@ -155,3 +155,29 @@ def test_an_interrupt_in_abort_loses_nothing() -> None:
         assert e.generate(PROMPTS[0], max_new_tokens=3).tokens == reference()[tuple(PROMPTS[0])]
     finally:
         e.close()
+
+
+def test_out_of_memory_while_pages_go_to_the_tree_fails_the_request_once() -> None:
+    """An out-of-memory error in ``insert`` passes two handlers (the hand-over's and the
+    request's): the request finishes once, with an error, and nothing stays held."""
+    import torch
+
+    e = engine()
+    try:
+        real = e.cache.insert
+        calls = [0]
+
+        def insert(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise torch.OutOfMemoryError("out of memory")
+            return real(*args, **kwargs)
+
+        e.cache.insert = insert  # type: ignore[method-assign]
+        rid = e.submit(PROMPTS[0], max_new_tokens=3)
+        outs = e.run()
+        assert [o.id for o in outs] == [rid] and outs[0].error is not None and "OutOfMemoryError" in outs[0].error
+        check_clean(e)
+        assert e.generate(PROMPTS[0], max_new_tokens=3).tokens == reference()[tuple(PROMPTS[0])]
+    finally:
+        e.close()
