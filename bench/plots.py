@@ -138,13 +138,19 @@ def _fail(message: str) -> NoReturn:
 
 
 def replot(path: Path) -> None:
+    if not path.is_file():
+        _fail(f"{path}: no such file")
     if not path.name.startswith("bench_hicache") or path.suffix != ".json":
         _fail(f"{path}: not a bench_hicache result (bench_hicache*.json)")
     try:
         data = json.loads(path.read_text())
-        rows, meta = data["rows"], data["meta"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        _fail(f"{path}: cannot read a result ({exc!r})")
+    except OSError as exc:
+        _fail(f"{path}: cannot read it ({exc.strerror or exc})")
+    except ValueError as exc:
+        _fail(f"{path}: not JSON ({exc})")
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not isinstance(data.get("meta"), dict):
+        _fail(f'{path}: not a bench_hicache result (it needs "rows", a list, and "meta", an object)')
+    rows, meta = data["rows"], data["meta"]
     draw = plot_stress if path.name.startswith("bench_hicache_stress-") else plot_latency
     draw(rows, meta, path.with_suffix(""))
 

@@ -14,6 +14,7 @@ import difflib
 import json
 import math
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -176,7 +177,7 @@ class ArgParser(argparse.ArgumentParser):
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         parsed, extra = self.parse_known_args(args, namespace)
         if extra:  # NOTE: the words as given (argparse's own error joins them with spaces)
-            self.error(self._unknown(extra))
+            self.error(self._unknown(extra, list(sys.argv[1:] if args is None else args)))
         return parsed
 
     def error(self, message: str) -> NoReturn:
@@ -192,17 +193,30 @@ class ArgParser(argparse.ArgumentParser):
         line = message.replace("\n", "\\n").replace("\r", "\\r")  # NOTE: one line, whatever a value held
         self.exit(2, f"error: {line}\n")
 
-    def _unknown(self, words: list[str]) -> str:
+    def _unknown(self, words: list[str], argv: list[str]) -> str:
         """The first unknown flag and its value, or the first stray word, with a reason."""
         flag = next((i for i, w in enumerate(words) if w.startswith("-") and w != "-"), None)
         if flag is None:
-            return f"{_show(words[0])}: not a flag (every setting is a --flag; see --help)"
+            return f"{_show(words[0])}: not a flag ({self._takes_one(words[0], argv)}see --help)"
         name, eq, inline = words[flag].partition("=")
         value = [inline] if eq else words[flag + 1 :][:1]
         near = difflib.get_close_matches(name, [o for o in self._option_string_actions if o.startswith("--")], 1, 0.75)
         hint = f" (did you mean {near[0]}?)" if near else " (see --help)"
         shown = f"{_show(name)} {_show(value[0])}" if value and (eq or not value[0].startswith("-")) else _show(name)
         return f"{shown}: unknown flag{hint}"
+
+    def _takes_one(self, word: str, argv: list[str]) -> str:
+        """Why a stray word is there: after ``--flag VALUE`` (or ``--flag=VALUE``) of a flag
+        that takes one value, it is a second value (``--prefix-tokens 350 3500``)."""
+        at = argv.index(word) if word in argv else -1
+        for before, inline in ((at - 1, True), (at - 2, False)):
+            if before < 0:
+                continue
+            name, eq, _ = argv[before].partition("=")
+            action = self._option_string_actions.get(name)
+            if action is not None and action.nargs is None and bool(eq) == inline and name.startswith("--"):
+                return f"{_long('/'.join(action.option_strings))} takes one value; "
+        return "every setting is a --flag; "
 
 
 def given_flags(ap: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:

@@ -153,6 +153,7 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
             "--suffix-tokens -100: must be an integer in [0, 1,000,000]",
         ),
         (["plots.py", "README.md"], "error: README.md: not a bench_hicache result"),
+        (["plots.py", "/nonexistent/bench_hicache-x.json"], "error: /nonexistent/bench_hicache-x.json: no such file"),
         (["soak.py", "--minutes", "nan"], "error: --minutes nan: not a finite number"),
         (["soak.py", "--fault-rate", "nan"], "error: --fault-rate nan: must be a rate in [0, 1]"),
         (
@@ -437,3 +438,22 @@ def test_ctrl_c_while_the_main_job_imports_torch_is_one_line_and_130() -> None:
         f"runpy.run_path({main_job!r}, run_name='__main__')\n"
     )
     assert (run.returncode, run.stdout, run.stderr) == (130, "", "interrupted\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("{}", 'not a bench_hicache result (it needs "rows", a list, and "meta", an object)'),
+        ("[1]", 'not a bench_hicache result (it needs "rows", a list, and "meta", an object)'),
+        ("{x", "not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    ],
+)
+def test_plots_names_what_is_wrong_with_a_result_file(tmp_path: Path, text: str, says: str) -> None:
+    """A result file that is not JSON, or JSON without rows and meta: one line saying which,
+    not the repr of a KeyError."""
+    path = tmp_path / "bench_hicache-x.json"
+    path.write_text(text)
+    run = subprocess.run(
+        [sys.executable, "plots.py", str(path)], cwd=ROOT / "bench", capture_output=True, text=True, timeout=120
+    )
+    assert (run.returncode, run.stdout, run.stderr) == (2, "", f"error: {path}: {says}\n")

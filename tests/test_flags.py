@@ -62,6 +62,9 @@ def test_good_values_parse_and_keep_their_text() -> None:
         (["--on=1"], "error: --on 1: the flag takes no value"),
         (["--cont", "2"], "error: --cont 2: unknown flag (did you mean --count?)"),
         (["stray"], "error: stray: not a flag (every setting is a --flag; see --help)"),
+        (["--count", "3", "4"], "error: 4: not a flag (--count takes one value; see --help)"),
+        (["--count=3", "4"], "error: 4: not a flag (--count takes one value; see --help)"),
+        (["--on", "4"], "error: 4: not a flag (every setting is a --flag; see --help)"),
         (["--count", "a\nb"], "error: --count 'a\\nb': not an integer"),
     ],
 )
