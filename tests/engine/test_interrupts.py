@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 
 from hicache.engine import Engine
+from tests.engine.test_request_edges import engine as edge_engine
+
+pytest.importorskip("transformers")
 
 PS = 4
 # two prompts sharing 2 pages, one page-aligned, one a page and a token; L1 holds about two
@@ -42,17 +45,8 @@ class Interrupt(KeyboardInterrupt):
 
 
 def engine() -> Engine:
-    return Engine(
-        "tiny",
-        device="cpu",
-        page_size=PS,
-        num_pages=12,
-        enable_hicache=True,
-        l2_pages=48,
-        l3_pages=96,
-        policy="always",
-        transfer_backend="torch",
-    )
+    """An L1 of about two prompts over L2 and L3: prompts are evicted and restored."""
+    return edge_engine(num_pages=12, l2_pages=48, l3_pages=96)
 
 
 @functools.cache
