@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, Self
 
@@ -164,7 +164,24 @@ def explore_main(
     ap.add_argument("--config", choices=sorted(configs), action="append", help="default: every configuration")
     ap.add_argument("--depth", type=positive_int, default=None, help="default: each configuration's own")
     args = ap.parse_args(argv)
-    failed = False
-    for name in args.config or sorted(configs):
-        failed |= bool(run(name, args.depth).violations)
-    return 1 if failed else 0
+    reports = [run(name, args.depth) for name in args.config or sorted(configs)]
+    if len(reports) > 1:
+        print(combined_summary(reports), flush=True)
+    return 1 if any(r.violations for r in reports) else 0
+
+
+def combined_summary(reports: Sequence[ExploreReport]) -> str:
+    """One line over several explorations: states, violations, and the transitions they
+    reach together (a configuration alone reaches only those its scope allows)."""
+    universe: dict[str, frozenset[Hashable]] = {}
+    covered: dict[str, set[Hashable]] = {}
+    for r in reports:
+        universe.update(r.universe)
+        for model, seen in r.covered.items():
+            covered.setdefault(model, set()).update(seen)
+    cov = ", ".join(f"{m} {len(covered.get(m, set()) & u)}/{len(u)}" for m, u in sorted(universe.items()))
+    return (
+        f"[all {len(reports)} configurations] {sum(r.states for r in reports)} states, "
+        f"{sum(len(r.violations) for r in reports)} violations, transitions together: {cov or 'none'}, "
+        f"{sum(r.seconds for r in reports):.1f}s"
+    )

@@ -218,3 +218,24 @@ def test_the_explorers_usage_names_their_module(module: str, capsys: pytest.Capt
     with pytest.raises(SystemExit):
         importlib.import_module(f"hicache.testing.{module}").main(["--help"])
     assert capsys.readouterr().out.startswith(f"usage: python -m hicache.testing.{module} ")
+
+
+def test_several_configurations_end_with_what_they_reach_together(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each configuration reaches only what its scope allows; the last line sums the states
+    and violations and counts a transition once however many configurations reach it."""
+    universe = {"run": frozenset({"t1", "t2", "t3"}), "request": frozenset({"r1", "r2"})}
+    reports = {
+        "a": ExploreReport(states=5, seconds=1.0, universe=universe, covered={"run": {"t1", "t2"}}),
+        "b": ExploreReport(states=7, seconds=2.0, universe=universe, covered={"run": {"t2"}, "request": {"r1"}}),
+    }
+    reports["b"].violations.append((["x"], Violation("toy", "b", "planted", "toy.planted")))
+    assert explore_main([], "toy", set(reports), lambda name, depth: reports[name]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "[all 2 configurations] 12 states, 1 violations, transitions together: request 1/2, run 2/3, 3.0s"
+    )
+
+
+def test_one_configuration_prints_no_combined_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """With one configuration its own summary is the last word."""
+    assert explore_main(["--config", "a"], "toy", {"a", "b"}, _Runs()) == 0
+    assert "[all" not in capsys.readouterr().out
