@@ -223,7 +223,10 @@ def test_the_explorers_usage_names_their_module(module: str, capsys: pytest.Capt
 def test_several_configurations_end_with_what_they_reach_together(capsys: pytest.CaptureFixture[str]) -> None:
     """Each configuration reaches only what its scope allows; the last line sums the states
     and violations and counts a transition once however many configurations reach it."""
-    universe = {"run": frozenset({"t1", "t2", "t3"}), "request": frozenset({"r1", "r2"})}
+    universe: dict[str, frozenset[Hashable]] = {
+        "run": frozenset({"t1", "t2", "t3"}),
+        "request": frozenset({"r1", "r2"}),
+    }
     reports = {
         "a": ExploreReport(states=5, seconds=1.0, universe=universe, covered={"run": {"t1", "t2"}}),
         "b": ExploreReport(states=7, seconds=2.0, universe=universe, covered={"run": {"t2"}, "request": {"r1"}}),
