@@ -52,7 +52,7 @@ from hicache.backends.transfer import TransferBackend
 from hicache.core.controller import PendingRestore, Request, WritePolicy
 from hicache.core.cost import CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage
-from hicache.core.tokens import Tokens, as_tokens, bounds
+from hicache.core.tokens import Tokens, as_tokens, bounds, plain_int
 from hicache.engine.model import (
     AttentionImpl,
     CudnnUse,
@@ -398,6 +398,7 @@ class Engine:
         prompt that is empty or not ints, ConfigError for tokens outside the vocabulary, a bad
         ``max_new_tokens``, or a request the L1 pool can never hold."""
         self._check_open()
+        max_new_tokens = plain_int(max_new_tokens)  # type: ignore[assignment]  # a numpy count, as for tokens
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         toks = as_tokens(prompt)  # one C-level pass; raises MisuseError naming a bad token

@@ -406,9 +406,20 @@ def test_bad_requests_are_refused_before_anything_changes() -> None:
     for prompt, kind in (([], MisuseError), ([1, 512], ConfigError), ([1, -1], ConfigError), ([1.5], MisuseError)):
         with pytest.raises(kind):
             e.submit(prompt)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="max_new_tokens"):
-        e.submit([1, 2], 0)
+    for count in (0, -1, 1.5, True, np.bool_(True), None, "2", np.float64(2.0)):
+        with pytest.raises(ConfigError, match="max_new_tokens"):
+            e.submit([1, 2], count)  # type: ignore[arg-type]
     assert e.pending == 0 and e.stats.submitted == 0
+    e.close()
+
+
+def test_a_numpy_count_of_new_tokens_is_its_int() -> None:
+    """A count from numpy (a tokenizer's or a sampler's array) is taken as the int it holds,
+    as numpy token ids are."""
+    e = engine()
+    plain = e.generate([1, 2, 3], max_new_tokens=3).tokens
+    assert e.generate([1, 2, 3], max_new_tokens=np.int64(3)).tokens == plain  # type: ignore[arg-type]
+    assert len(plain) == 3
     e.close()
 
 
