@@ -42,6 +42,7 @@ from typing import Any
 from hicache.core.cache import CacheCore
 from hicache.core.cost import CostModel, Plan
 from hicache.core.geometry import DevicePage
+from hicache.core.interrupts import atomic
 from hicache.core.keys import page_keys
 from hicache.core.metrics import Levels, Metrics
 from hicache.core.node import Lease, Node, Transfer
@@ -134,12 +135,19 @@ class PendingRestore:
     outcome: Outcome | None = None
     error: str | None = None
     overlapped_s: float = 0.0
-    pages: list[DevicePage] | None = None
+    layer_pages: tuple[DevicePage, ...] | None = None  # what ``pages`` copies (the caller's to change)
+
+    @property
+    def pages(self) -> list[DevicePage] | None:
+        """The L1 pages of a layered restore (class docstring), a new list on every read: an
+        engine may build its page table from it (append its tail pages) without changing
+        what is published."""
+        return None if self.layer_pages is None else list(self.layer_pages)
 
     @property
     def layered(self) -> bool:
         """The H2D is in flight and signals each layer as it lands."""
-        return self.pages is not None
+        return self.layer_pages is not None
 
     @property
     def finished(self) -> bool:
@@ -241,6 +249,7 @@ class Controller:
 
     # -- requests ----------------------------------------------------------------------------
 
+    @atomic
     def admit(self, tokens: object, *, at_most: int | None = None) -> Request:
         """Match ``tokens`` (one tree walk; changes no residency) and pin the L1 hit.
         ``at_most``: match (so pin and restore) only the pages within the first ``at_most``
@@ -321,6 +330,7 @@ class Controller:
         self._live(req)
         return list(req.pages)
 
+    @atomic
     def allocate(self, req: Request, n: int) -> list[DevicePage] | None:
         """``n`` private L1 pages for ``req`` (evicting unpinned L1 copies as needed), or
         None, changing nothing, if no room can be made now. More pages than L1 could ever
@@ -346,6 +356,7 @@ class Controller:
         self._move(req, ReqEvent.ALLOCATE, "allocate")
         return pages
 
+    @atomic
     def insert(self, req: Request, pages: Sequence[DevicePage]) -> int:
         """After prefill: hand ``req``'s pages for ``tokens[cached_len:aligned]`` to the tree
         (``aligned``: the prompt rounded down to whole pages; a shorter prompt inserts
@@ -412,6 +423,7 @@ class Controller:
                 self._backup(result.node)
         return req.cached_len
 
+    @atomic
     def release(self, req: Request) -> None:
         """The request finished or was aborted: free its private pages, drop its pins. A
         restore in flight completes in the background into the tree."""
@@ -464,6 +476,7 @@ class Controller:
 
     # -- restore -----------------------------------------------------------------------------
 
+    @atomic
     def start_restore(
         self, req: Request, plan: Plan | None = None, *, layer_events: Sequence[Any] | None = None
     ) -> PendingRestore | None:
@@ -570,15 +583,23 @@ class Controller:
         """Advance every transfer in flight; restores that finish wait for the next poll."""
         for job in list(self._jobs.values()):
             if self._landed(job):
-                late = job.l3 is not None and job.broken is None and not job.l3.settled
-                restore = self._straggle(job) if late else self._finish(job)
-                if restore is not None and restore.finished:
-                    self._unreported.append(restore)
+                self._end_job(job)
         for job in list(self._stragglers.values()):
             if job.l3 is not None and job.l3.settled:  # its I/O returned: the pages are free again
-                del self._stragglers[job.transfer.id]
-                self._jobs[job.transfer.id] = job
-                self._finish(job)
+                self._end_straggler(job)
+
+    @atomic
+    def _end_job(self, job: _Job) -> None:
+        late = job.l3 is not None and job.broken is None and not job.l3.settled
+        restore = self._straggle(job) if late else self._finish(job)
+        if restore is not None and restore.finished:
+            self._unreported.append(restore)
+
+    @atomic
+    def _end_straggler(self, job: _Job) -> None:
+        del self._stragglers[job.transfer.id]
+        self._jobs[job.transfer.id] = job
+        self._finish(job)
 
     def settle(self) -> bool:
         """If every restore in flight is an H2D still copying, block until the first of them
@@ -688,12 +709,19 @@ class Controller:
             core.fail(transfer)
             self.metrics.directions[direction.name].failed += 1
             return None
+        except BaseException:
+            # NOTE: an interrupt (Ctrl-C) while the mover issued it: no job will ever end this
+            # transfer, so it fails here (its pages go back; the pools' fences order any copy
+            # the mover had queued before their next use) and the interrupt goes on.
+            core.fail(transfer)
+            self.metrics.directions[direction.name].failed += 1
+            raise
         job = _Job(transfer, ticket, restore, l3 if direction in (Direction.H2S, Direction.S2H) else None)
         self._jobs[transfer.id] = job
         if restore is not None:
             restore.transfer = transfer
             if layer_events is not None and direction is Direction.H2D:
-                restore.pages = self._prefix_after(restore.request, transfer)
+                restore.layer_pages = tuple(self._prefix_after(restore.request, transfer))
         return job
 
     def _keys(self, transfer: Transfer) -> list[bytes]:
@@ -893,10 +921,10 @@ class Controller:
         if req.released:
             self._end_restore(restore, Outcome.CANCELLED, None)
             return
-        pages = restore.pages if restore.pages is not None else self._prefix_after(req, transfer)
+        pages = restore.layer_pages if restore.layer_pages is not None else self._prefix_after(req, transfer)
         self._publish(restore, bottom, pages)
 
-    def _publish(self, restore: PendingRestore, bottom: Node, pages: list[DevicePage]) -> None:
+    def _publish(self, restore: PendingRestore, bottom: Node, pages: Sequence[DevicePage]) -> None:
         """The restored prefix ``[0, plan.tokens)`` is in L1 on the path to ``bottom``: move
         the request's pin there and its cached_len up."""
         req, core = restore.request, self.core
@@ -973,7 +1001,17 @@ class Controller:
     def violations(self) -> list[Violation]:
         """Every broken invariant (page runs and requests); empty when all hold."""
         snap = self.snapshot()
-        return check_all(snap) + check_requests(snap)
+        orphans = [
+            Violation(
+                "transfer-tracked",
+                f"transfer {t.id}",
+                f"{t.direction.name} in flight that no job will ever end (its pages stay held)",
+                "controller.transfer-untracked",
+            )
+            for t in self.core.transfers.values()
+            if t.id not in self._jobs and t.id not in self._stragglers  # NOTE: a straggler ends when its I/O returns
+        ]
+        return check_all(snap) + check_requests(snap) + orphans
 
     def check_integrity(self) -> None:
         """Raise IntegrityError naming the first broken invariant of the page runs or the
@@ -1025,7 +1063,7 @@ class Controller:
                     continue
                 if not storage.available:
                     return written
-                self._backup(node)  # L2: the H2S; L1: the D2H, whose landing issues the H2S
+                atomic(self._backup)(node)  # L2: the H2S; L1: the D2H, whose landing issues the H2S
                 self.drain()
                 written += node.alive and node.has(Tier.L3)
                 if self.metrics.l3_deadline_failures > expired:
@@ -1074,7 +1112,7 @@ def _view(r: Request) -> RequestView:
         lease=None if r.lease is None else r.lease.id,
         source=None if restore is None or restore.source is None else restore.source.id,
         transfer=None if transfer is None else transfer.id,
-        restore_pages=None if restore is None or restore.pages is None else tuple(restore.pages),
+        restore_pages=restore.layer_pages if restore is not None else None,
         restore_tokens=0 if restore is None else restore.plan.tokens,
         private=tuple(r.private),
     )

@@ -22,7 +22,8 @@ def as_tokens(tokens: object) -> Tokens:
     """A non-empty 1-D sequence of ints in int64 range (tuple, list, integer tensor or
     array) as a tuple of plain ints.
     Bools in a sequence count as the ints 0 and 1, as everywhere in Python (a per-token type
-    check would cost a pass over every prompt), and come back as them; a bool tensor is refused."""
+    check would cost a pass over every prompt), and come back as them; a bool tensor or array
+    is refused."""
     if type(tokens) is Tokens:
         return tokens
     if isinstance(tokens, (str, bytes, bytearray, memoryview)):
@@ -45,6 +46,9 @@ def as_tokens(tokens: object) -> Tokens:
     elif hasattr(tokens, "tolist") and hasattr(tokens, "ndim"):
         if tokens.ndim != 1:
             raise MisuseError(f"tokens must be 1-D, got ndim={tokens.ndim}")
+        dtype = getattr(tokens, "dtype", None)
+        if getattr(dtype, "kind", "") == "b":  # NOTE: refused as a bool tensor is
+            raise MisuseError(f"tokens must be integers, got dtype {dtype}")
         out = tuple(tokens.tolist())
     else:
         raise MisuseError(f"tokens must be a 1-D sequence of ints, got {type(tokens).__name__}")
@@ -55,7 +59,7 @@ def as_tokens(tokens: object) -> Tokens:
     try:
         with np.errstate(over="ignore"):  # NOTE: numpy integers among them add with wrap-around
             ok = type(sum(out)) is int
-    except TypeError:
+    except (TypeError, OverflowError):  # NOTE: a large int added to a narrow numpy integer overflows
         ok = False
     if not ok:
         bad = [x for x in out if type(x) is not int and type(x) is not bool and not _np_int(x)][:1]

@@ -842,9 +842,10 @@ class Engine:
         """Allocate ``seq``'s own pages for a layered prefill: its forward's sequence
         ``(tail, prefix + own pages, cached)`` and the prefix's pages; None without room."""
         restore, req, ps = seq.restore, seq.req, self.page_size
-        assert restore is not None and restore.pages is not None and req is not None
+        layer_pages = None if restore is None else restore.pages
+        assert layer_pages is not None and req is not None
         prompt = seq.prompt
-        cached = min(len(restore.pages) * ps, (len(prompt) - 1) // ps * ps)
+        cached = min(len(layer_pages) * ps, (len(prompt) - 1) // ps * ps)
         need = -(-(len(prompt) + seq.max_new) // ps) - cached // ps
         t0 = time.perf_counter()
         own = self.cache.allocate(req, need)
@@ -852,7 +853,7 @@ class Engine:
         if own is None:
             return None
         seq.own = own
-        prefix = restore.pages[: cached // ps]
+        prefix = layer_pages[: cached // ps]
         return (list(prompt[cached:]), prefix + own, cached), prefix
 
     def _launch_forward(

@@ -196,12 +196,34 @@ def test_the_request_invariants_see_a_layered_restores_pages() -> None:
     assert pending is not None and pending.pages is not None and len(pending.pages) == 2
     assert _view(c, req).restore_pages == tuple(pending.pages)
     assert c.violations() == []
-    good = pending.pages
-    pending.pages = good[::-1]
+    good = pending.layer_pages
+    assert good is not None
+    pending.layer_pages = good[::-1]
     assert [v.code for v in c.violations()] == ["request-restore-pages.layered-pages"]
-    pending.pages = good
+    pending.layer_pages = good
     _finish_queued(c, fabric)
     assert req.cached_len == 4
+    c.release(req)
+    c.check_integrity()
+    c.close()
+
+
+def test_a_layered_restores_pages_are_the_callers_copy() -> None:
+    """An engine builds its page table from ``pages`` (appending its tail, reordering): what
+    is published, and where, does not change."""
+    c, fabric = _make()
+    _cached(c, [1, 2, 3, 4], Tier.L1)
+    req = c.admit([1, 2, 3, 4])
+    pending = c.start_restore(req, layer_events=[])
+    assert pending is not None and pending.pages is not None
+    want = pending.pages
+    table = pending.pages
+    table += c.allocate(req, 1) or []
+    table.reverse()
+    assert pending.pages == want
+    _finish_queued(c, fabric)
+    assert pending.done and c.prefix_pages(req) == want
+    c.check_integrity()
     c.release(req)
     c.check_integrity()
     c.close()

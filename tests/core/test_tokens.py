@@ -38,6 +38,20 @@ def test_a_one_dimensional_integer_sequence_becomes_a_tuple_of_ints(given: objec
     assert isinstance(out, tuple) and all(type(x) is int for x in out)
 
 
+@pytest.mark.parametrize(
+    "given",
+    [
+        [150_000] * 20_000 + [np.int32(5)],  # a system prompt of ints, then a tokenizer's int32s
+        [1000, np.int8(1)],
+        [-1, np.uint64(5)],
+    ],
+)
+def test_ints_beside_narrow_numpy_integers_are_accepted(given: list[object]) -> None:
+    """Summed with a narrow numpy integer a Python int can overflow it (NumPy 2 raises):
+    every token here is in range, so the prompt is taken, each token as its int."""
+    assert as_tokens(given) == tuple(int(x) for x in given)  # type: ignore[call-overload]
+
+
 def test_bools_and_int_subclasses_come_back_as_plain_ints() -> None:
     """Bools count as 0 and 1 and come back as those ints (the stores hash them, an engine's
     forward reads them, as ints)."""
@@ -73,6 +87,7 @@ def test_bounds_are_the_smallest_and_the_largest_token(given: list[int]) -> None
         (torch.tensor([1 + 0j, 2 + 0j]), "tokens must be integers, got dtype torch.complex64"),
         (torch.tensor([True, False]), "tokens must be integers, got dtype torch.bool"),
         (np.array([[1, 2]]), "tokens must be 1-D, got ndim=2"),
+        (np.array([True, False]), "tokens must be integers, got dtype bool"),
         (_ListOnly(), "tokens must be a 1-D sequence of ints, got _ListOnly"),
         ("12", "tokens must be a 1-D sequence of ints, got str"),
         (b"12", "tokens must be a 1-D sequence of ints, got bytes"),

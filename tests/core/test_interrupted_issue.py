@@ -1,0 +1,230 @@
+"""An interrupt (Ctrl-C) raised while a mover issues a copy: before it queues anything, or
+after (the copy queued, its ticket never handed back). The interrupt reaches the caller;
+the transfer fails, so nothing stays held once the request is released, the cache stays
+consistent, and every page served later is bit-identical to the page written."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from hicache import HiCache, HiCacheConfig
+from hicache.backends.stores.mover import StoreMover
+from hicache.backends.transfer import TransferEngine
+from hicache.core.geometry import KVGeometry
+from hicache.errors import IntegrityError
+from hicache.spec.model import Direction, Tier
+
+PS = 2
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, page_size=PS, dtype=torch.float32)
+A, B, C = list(range(7)), list(range(100, 107)), list(range(200, 207))
+
+
+class Armed:
+    """Raises KeyboardInterrupt once, in the armed call, before or after the real one."""
+
+    def __init__(self) -> None:
+        self.call: str | None = None
+        self.after = False
+        self.fired = 0
+
+    def arm(self, call: str, after: bool) -> None:
+        self.call, self.after = call, after
+
+    def around(self, call: str, real: Callable[[], Any]) -> Any:
+        if self.call != call:
+            return real()
+        self.call = None
+        self.fired += 1
+        if not self.after:
+            raise KeyboardInterrupt
+        real()
+        raise KeyboardInterrupt
+
+
+class Mover:
+    """The real L1 <-> L2 mover behind an :class:`Armed` switch."""
+
+    def __init__(self, cache: HiCache, armed: Armed) -> None:
+        self.inner = TransferEngine(cache.l1, cache.l2, "torch")
+        self.armed = armed
+
+    @property
+    def layered(self) -> bool:
+        return self.inner.layered
+
+    def layer_groups(self) -> list[tuple[int, int]]:
+        return self.inner.layer_groups()
+
+    def status(self) -> dict[str, Any]:
+        return self.inner.status()
+
+    def d2h(self, src: Sequence[int], dst: Sequence[int]) -> Any:
+        return self.armed.around("d2h", lambda: self.inner.d2h(src, dst))
+
+    def h2d(self, src: Sequence[int], dst: Sequence[int], layer_events: Sequence[Any] | None = None) -> Any:
+        return self.armed.around("h2d", lambda: self.inner.h2d(src, dst, layer_events=layer_events))
+
+
+@pytest.fixture
+def armed(monkeypatch: pytest.MonkeyPatch) -> Iterator[Armed]:
+    switch = Armed()
+    real = StoreMover._submit
+
+    def submit(self: StoreMover, op: str, *args: Any, **kw: Any) -> Any:
+        return switch.around("h2s" if op == "write" else "s2h", lambda: real(self, op, *args, **kw))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StoreMover, "_submit", submit)
+    yield switch
+
+
+def make(armed: Armed, tmp_path: Any) -> HiCache:
+    config = HiCacheConfig(
+        GEOMETRY,
+        l1_pages=5,  # one prompt's 4 pages: each next prompt evicts the last from L1
+        l2_pages=8,  # three prompts' 9 full pages: the third evicts the first from L2
+        l3_pages=16,
+        device="cpu",
+        policy="always",
+        storage_path=str(tmp_path / "l3.bin"),
+    )
+    return HiCache(config, mover=lambda cache: Mover(cache, armed))
+
+
+def content(prompt: list[int], pages: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(tuple(prompt)) % 2**31)
+    shape = (GEOMETRY.num_layers, 2, pages, PS, GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
+    return torch.randn(shape, generator=g)
+
+
+def serve(cache: HiCache, prompt: list[int]) -> int:
+    """Admit, restore, check the prefix's bytes, compute the rest; the cached length."""
+    req = cache.admit(prompt)
+    try:
+        cache.restore(req)
+        full = len(prompt) // PS
+        want = content(prompt, full)
+        have = cache.prefix_pages(req)
+        got = cache.l1.buffer[:, :, have]
+        assert torch.equal(got.view(torch.uint8), want[:, :, : len(have)].contiguous().view(torch.uint8))
+        pages = cache.allocate(req, -(-len(prompt) // PS) - len(have))
+        assert pages is not None
+        cache.l1.buffer[:, :, pages[: full - len(have)]] = want[:, :, len(have) :]
+        cache.insert(req, pages[: full - len(have)])
+        return len(have) * PS
+    finally:
+        cache.release(req)
+
+
+def nothing_held(cache: HiCache) -> None:
+    cache.drain()
+    cache.check_integrity()
+    st = cache.status()
+    assert st.requests == 0 and st.core.leases == 0
+    assert not any(st.core.transfers_in_flight.values())
+    for tier in st.core.tiers:
+        assert (tier.protected, tier.in_flight, tier.private) == (0, 0, 0), tier
+        assert tier.free + tier.evictable == tier.capacity, tier
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-issue", "after-issue"])
+@pytest.mark.parametrize("call", ["d2h", "h2s", "s2h", "h2d"])
+def test_an_interrupt_while_a_copy_is_issued_fails_that_copy_only(
+    call: str, after: bool, armed: Armed, tmp_path: Any
+) -> None:
+    cache = make(armed, tmp_path)
+    before = {"d2h": [], "h2s": [], "h2d": [A, B], "s2h": [A, B, C]}[call]
+    for prompt in before:  # A leaves L1 (and, for S2H, L2 too)
+        serve(cache, prompt)
+        cache.drain()
+    armed.arm(call, after)
+    with pytest.raises(KeyboardInterrupt):  # a backup's in the insert or in the drain after it
+        serve(cache, A)
+        cache.drain()
+    assert armed.fired == 1
+    nothing_held(cache)
+    for prompt in (A, B, C, A):  # the pages handed back afterwards are the pages written
+        serve(cache, prompt)
+        nothing_held(cache)
+    cache.close()
+
+
+def test_a_transfer_no_job_will_end_is_reported(armed: Armed, tmp_path: Any) -> None:
+    """The check that catches such a leak: a transfer in flight in the core that no job of
+    the controller tracks (here started behind the controller's back)."""
+    cache = make(armed, tmp_path)
+    serve(cache, A)
+    cache.drain()
+    core = cache.controller.core
+    node = next(n for n in core.tree.iter_nodes() if n.parent is not None)
+    core.evict_node(node, Tier.L1)
+    transfer = core.start(Direction.H2D, node)
+    assert transfer is not None
+    with pytest.raises(IntegrityError, match="no job will ever end"):
+        cache.check_integrity()
+    core.fail(transfer)
+    cache.check_integrity()
+    cache.close()
+
+
+# -- a real Ctrl-C inside the bookkeeping ---------------------------------------------------
+
+CORE_STEPS = (
+    "allocate_l1",
+    "free_private",
+    "lock",
+    "release",
+    "adopt",
+    "start",
+    "complete",
+    "fail",
+    "evict_node",
+    "ensure_free",
+)
+
+
+@pytest.mark.skipif(
+    signal.getsignal(signal.SIGINT) is not signal.default_int_handler, reason="needs Python's own SIGINT handler"
+)
+@pytest.mark.parametrize("nth", [1, 2, 3])
+@pytest.mark.parametrize("step", CORE_STEPS)
+def test_ctrl_c_inside_the_bookkeeping_lands_when_the_call_returns(
+    step: str, nth: int, armed: Armed, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGINT raised right after the core's ``step`` (its ``nth`` call) reaches the caller
+    as KeyboardInterrupt once the cache call around it has finished: nothing is half-done,
+    so releasing what the caller holds frees everything, and every page served afterwards
+    is the page written."""
+    cache = make(armed, tmp_path)
+    core = cache.controller.core
+    real = getattr(core, step)
+    calls = [0]
+
+    def then_ctrl_c(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == nth:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(core, step, then_ctrl_c)
+    interrupted = 0
+    for prompt in (A, B, C, A, B):
+        try:
+            serve(cache, prompt)
+            cache.drain()
+        except KeyboardInterrupt:
+            interrupted += 1
+            for req in cache.requests():  # what an engine does with the requests it cut short
+                cache.release(req)
+        nothing_held(cache)
+    assert interrupted == (1 if calls[0] >= nth else 0)
+    monkeypatch.setattr(core, step, real)
+    for prompt in (A, B, C, A):
+        serve(cache, prompt)
+        nothing_held(cache)
+    cache.close()
