@@ -42,7 +42,7 @@ from typing import Any
 from hicache.core.cache import CacheCore
 from hicache.core.cost import CostModel, Plan
 from hicache.core.geometry import DevicePage
-from hicache.core.interrupts import atomic
+from hicache.core.interrupts import atomic, hold_sigint, release_sigint
 from hicache.core.keys import page_keys
 from hicache.core.metrics import Levels, Metrics
 from hicache.core.node import Lease, Node, Transfer
@@ -217,6 +217,7 @@ class Controller:
         self.request_coverage: Counter[tuple[ReqState, ReqEvent]] = Counter()  # transitions taken
         self._owner = threading.get_ident()
         self.closed = False
+        self._holds_sigint = hold_sigint()  # NOTE: last: a refused construction holds nothing
 
     # -- guards ------------------------------------------------------------------------------
 
@@ -1099,6 +1100,9 @@ class Controller:
         self._stragglers.clear()
         self._unreported.clear()
         self.closed = True
+        if self._holds_sigint:
+            self._holds_sigint = False
+            release_sigint()
 
 
 def _view(r: Request) -> RequestView:

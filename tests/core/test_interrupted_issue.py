@@ -187,9 +187,15 @@ CORE_STEPS = (
 )
 
 
-@pytest.mark.skipif(
-    signal.getsignal(signal.SIGINT) is not signal.default_int_handler, reason="needs Python's own SIGINT handler"
-)
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler for the test (a test runner may have its own), put back after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.usefixtures("python_sigint")
 @pytest.mark.parametrize("nth", [1, 2, 3])
 @pytest.mark.parametrize("step", CORE_STEPS)
 def test_ctrl_c_inside_the_bookkeeping_lands_when_the_call_returns(
@@ -228,3 +234,65 @@ def test_ctrl_c_inside_the_bookkeeping_lands_when_the_call_returns(
         serve(cache, prompt)
         nothing_held(cache)
     cache.close()
+
+
+def _sigint_inside_insert(cache: HiCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve A with a SIGINT raised inside insert's bookkeeping (after the core adopts the pages)."""
+    core = cache.controller.core
+    real = core.adopt
+
+    def adopt_then_sigint(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(core, "adopt", adopt_then_sigint)
+    serve(cache, A)
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_a_handler_of_the_callers_gets_the_sigint_when_the_call_returns(
+    armed: Armed, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's own SIGINT handler runs once, after the cache call, not inside it; once
+    the last cache closes, SIGINT's handler is the engine's again."""
+    seen: list[int] = []
+
+    def mine(signum: int, frame: object) -> None:
+        seen.append(len(cache.requests()))  # after insert returned, before release
+
+    signal.signal(signal.SIGINT, mine)
+    cache = make(armed, tmp_path)
+    _sigint_inside_insert(cache, monkeypatch)
+    assert seen == [1]
+    nothing_held(cache)
+    cache.close()
+    assert signal.getsignal(signal.SIGINT) is mine
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_an_ignored_sigint_stays_ignored(armed: Armed, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cache = make(armed, tmp_path)
+    _sigint_inside_insert(cache, monkeypatch)
+    nothing_held(cache)
+    cache.close()
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_a_cache_of_another_thread_leaves_sigint_alone(armed: Armed, tmp_path: Any) -> None:
+    """Only the main thread runs signal handlers: a cache built elsewhere changes nothing."""
+    import threading
+
+    handlers: list[object] = []
+
+    def build() -> None:
+        cache = make(armed, tmp_path)
+        handlers.append(signal.getsignal(signal.SIGINT))
+        cache.close()
+
+    t = threading.Thread(target=build)
+    t.start()
+    t.join(60)
+    assert handlers == [signal.default_int_handler]
