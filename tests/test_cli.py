@@ -209,6 +209,14 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
             "error: --hicache-storage-backend dir: needs --hicache-storage-path (a directory)",
         ),
         (
+            [*l3, "--hicache-storage-backend", "dir", "--hicache-storage-path", str(tmp_path / ("n" * 300))],
+            f"error: --hicache-storage-path {tmp_path / ('n' * 300)}: File name too long",
+        ),
+        (
+            [*l3, "--hicache-storage-path", str(tmp_path / ("n" * 300))],
+            f"error: --hicache-storage-path {tmp_path / ('n' * 300)}: File name too long",
+        ),
+        (
             [*l3, "--hicache-storage-backend", "dir", "--hicache-storage-path", str(a_file)],
             f"error: --hicache-storage-path {a_file}: not a directory (backend dir)",
         ),

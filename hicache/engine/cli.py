@@ -326,14 +326,21 @@ def check_flags(args: argparse.Namespace) -> None:
             f"{', '.join(map(repr, foreign))}: for the {other} backend, not {backend} (its keys: {', '.join(own)})",
         )
     if path is not None and args.enable_hicache:
-        p = Path(path)
-        if args.hicache_storage_backend == "dir":
-            if p.exists() and not p.is_dir():
-                raise FlagError("--hicache-storage-path", path, "not a directory (backend dir)")
-        elif p.is_dir():
-            raise FlagError("--hicache-storage-path", path, "is a directory; give a file path (backend file)")
-        if not p.parent.is_dir():
-            raise FlagError("--hicache-storage-path", path, f"directory {p.parent} does not exist")
+        try:
+            _check_storage_path(Path(path), args.hicache_storage_backend)
+        except OSError as exc:  # NOTE: a name longer than the system takes, an I/O error
+            raise FlagError("--hicache-storage-path", path, exc.strerror or str(exc)) from None
+
+
+def _check_storage_path(p: Path, backend: str) -> None:
+    path = str(p)
+    if backend == "dir":
+        if p.exists() and not p.is_dir():
+            raise FlagError("--hicache-storage-path", path, "not a directory (backend dir)")
+    elif p.is_dir():
+        raise FlagError("--hicache-storage-path", path, "is a directory; give a file path (backend file)")
+    if not p.parent.is_dir():
+        raise FlagError("--hicache-storage-path", path, f"directory {p.parent} does not exist")
 
 
 def engine_kwargs(args: argparse.Namespace, net: torch.nn.Module, **overrides: Any) -> dict[str, Any]:

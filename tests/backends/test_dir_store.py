@@ -623,3 +623,58 @@ def test_losing_the_race_to_make_the_directory_opens_the_one_made(
     assert s.write([0], [0], KEYS[:1]).wait()
     s.close()
     assert sorted(p.name for p in (tmp_path / "l3").iterdir()) == sorted(["FORMAT", "LOCK", f"{KEYS[0].hex()}.page"])
+
+
+def test_deleting_the_lock_file_does_not_let_a_second_opener_in(tmp_path: Path) -> None:
+    """A cleanup that deletes LOCK while the store is open: the directory itself stays locked,
+    so a second opener is still refused (each would keep its own capacity over one directory)."""
+    s = dir_store(tmp_path)
+    (tmp_path / "LOCK").unlink()
+    with pytest.raises(ConfigError, match="in use by"):
+        dir_store(tmp_path)
+    s.close()
+    dir_store(tmp_path).close()
+
+
+def test_a_page_name_in_upper_case_is_dropped_at_open(tmp_path: Path) -> None:
+    """Reads open the lower-case name: a file under the upper-case one would be indexed and
+    never read nor deleted; it is dropped as any foreign page file is."""
+    s = dir_store(tmp_path)
+    fill(s.host, [0, 1], [0, 1])
+    assert s.write([0, 1], [0, 1], KEYS[:2]).wait()
+    s.close()
+    lower = tmp_path / (KEYS[0].hex() + ".page")
+    lower.rename(tmp_path / (KEYS[0].hex().upper() + ".page"))
+    s = dir_store(tmp_path)
+    assert s.exists(KEYS[:2]) == 0  # the first page is gone, so no leading page is stored
+    assert s.exists(KEYS[1:2]) == 1
+    assert [p.name for p in page_files(tmp_path)] == [KEYS[1].hex() + ".page"]
+    assert s.store.counts["dropped_at_open"] == 1  # type: ignore[attr-defined]
+    s.close()
+
+
+@pytest.mark.parametrize("name", ["page", "temp"])
+def test_a_directory_under_a_page_or_temp_name_is_left_and_the_store_opens(
+    tmp_path: Path, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory is not ours to delete: the store opens, says which entry to remove, never
+    reads it, and a page written under its name fails alone."""
+    s = dir_store(tmp_path)
+    s.close()
+    entry = tmp_path / (KEYS[0].hex() + ".page" if name == "page" else ".tmp-7-0")
+    entry.mkdir()
+    (entry / "inside").write_bytes(b"x")
+    s = dir_store(tmp_path)
+    assert entry.name in caplog.text and "remove it by hand" in caplog.text
+    assert (entry / "inside").read_bytes() == b"x"
+    fill(s.host, [0, 1], [0, 1])
+    assert s.write([0], [0], KEYS[:1]).wait() is (name == "temp")
+    assert s.write([1], [1], KEYS[1:2]).wait()
+    assert s.exists(KEYS[1:2]) == 1 and s.read([1], [5], KEYS[1:2]).wait()
+    assert torch.equal(s.host.bytes[5], page_bytes(1))
+    s.close()
+
+
+def test_a_name_longer_than_the_system_takes_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"L3 directory .*: File name too long"):
+        dir_store(tmp_path / ("n" * 300))

@@ -1,6 +1,7 @@
 """The ``dir`` store: a persistent local L3 that survives restarts, one file per page.
 
-    <dir>/LOCK                   flock'd by the one process using the directory (its pid inside)
+    <dir>/LOCK                   the pid of the one process using the directory (which flocks
+                                 the directory itself and this file)
     <dir>/FORMAT                 page size in bytes and format version; a mismatch is refused
     <dir>/<32 hex>.page          payload (bytes_per_page) + a 64-byte trailer
     <dir>/.tmp-<32 hex>-<pid>-n  being written; deleted at open
@@ -17,7 +18,8 @@ trailer) are checked and anything wrong is deleted; on every read, the payload's
 too: a torn or corrupt page is never served (it is deleted and reported CORRUPT). The
 directory is 0700, files 0600, nothing is opened through a symlink (``O_NOFOLLOW``, all
 paths relative to the directory's descriptor) and no open waits on a FIFO planted under a
-page's name (``O_NONBLOCK``; what is not a regular file is dropped). At most ``capacity`` pages: the least
+page's name (``O_NONBLOCK``; what is not a regular file is dropped, a directory left where it
+is with a warning). At most ``capacity`` pages: the least
 recently used (by read or write; kept across restarts as file mtimes) are evicted. A page is
 reachable only through the pages before it in its prompt (a read stops at the first missing
 key), so after a whole read or write the mover calls :meth:`DirStore.order`: within those
@@ -107,7 +109,10 @@ class DirStore:
         self._writing = 0  # pages reserved by puts in flight
         self._tmp = itertools.count()
         self.counts = {"evicted": 0, "dropped_corrupt": 0, "dropped_at_open": 0, "temp_removed_at_open": 0}
-        made = not self.path.exists()
+        try:
+            made = not self.path.exists()
+        except OSError as exc:  # NOTE: a name longer than the system takes
+            raise ConfigError(f"L3 directory {self.path}: {exc.strerror or exc}") from exc
         self._made_format = False  # this opener wrote FORMAT (so the store is new, and its own)
         self.dirfd = _open_dir(self.path)
         self.lockfd = -1
@@ -422,8 +427,14 @@ class DirStore:
         self._unlink(_name(key))
 
     def _unlink(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(name, dir_fd=self.dirfd)
+        except FileNotFoundError:
+            pass
+        except (IsADirectoryError, PermissionError) as exc:  # NOTE: a directory (EISDIR, or EPERM elsewhere)
+            # Someone else's: left where it is, never read (not a regular file); a page
+            # written under its name fails.
+            log.warning("L3 directory %s: cannot remove %s (%s); remove it by hand", self.path, name, exc.strerror)
 
 
 def _name(key: bytes) -> str:
@@ -431,12 +442,15 @@ def _name(key: bytes) -> str:
 
 
 def _key_of(name: str) -> bytes | None:
+    """The key a page file's name holds: exactly the name :func:`_name` gives it (lower-case
+    hex), or None (upper case would be indexed under a name no read opens)."""
     if len(name) != _NAME_LEN:
         return None
     try:
-        return bytes.fromhex(name[: 2 * KEY_BYTES])
+        key = bytes.fromhex(name[: 2 * KEY_BYTES])
     except ValueError:
         return None
+    return key if _name(key) == name else None
 
 
 def _open_dir(path: Path) -> int:
@@ -507,8 +521,11 @@ def _check_adoptable(dirfd: int, path: Path) -> set[str]:
 
 
 def _lock_dir(dirfd: int, path: Path) -> int:
+    """Lock the directory for this opener: ``flock`` on the directory itself (a cleanup that
+    deletes ``LOCK`` cannot undo it) and on ``LOCK``, which names the holder's pid."""
     fd = os.open("LOCK", os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
     try:
+        fcntl.flock(dirfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"

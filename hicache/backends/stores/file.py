@@ -71,6 +71,8 @@ class StorageFile:
             self.fd, self.direct = self._open(want_direct)
         except PermissionError as exc:
             raise ConfigError(f"L3 path {self.path or tempfile.gettempdir()}: permission denied ({exc})") from exc
+        except OSError as exc:  # a name too long, an I/O error: the path is not usable
+            raise ConfigError(f"L3 path {self.path or tempfile.gettempdir()}: {exc.strerror or exc}") from exc
         self.closed = False
 
     def _open(self, direct: bool) -> tuple[int, bool]:
