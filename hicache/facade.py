@@ -95,7 +95,7 @@ class HiCacheConfig:
     storage_extra: Mapping[str, Any] | None = None  # dir: {"fsync": bool}; mooncake: SGLang's extra-config keys
     storage_deadline_s: float | None = 10.0  # an L3 read or write past this (+10 s/GiB) fails; None: no deadline
     model_id: str = ""  # the model's identity (name or checkpoint hash): seeds the page keys of dir/mooncake
-    checksums: bool = True
+    checksums: bool = True  # file store: an xxh3 per L3 page, checked on read (the dir store always checks)
     transfer_backend: TransferBackend = "auto"
     policy: Policy | str = Policy.COST
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
@@ -368,7 +368,8 @@ class HiCache:
         return self.controller.restore(req, plan)
 
     def poll(self) -> list[PendingRestore]:
-        """Advance transfers; the restores that finished (:meth:`Controller.poll`)."""
+        """Advance transfers; the restores that finished (:meth:`Controller.poll`): published
+        (``done``), failed (recompute), or cancelled by a ``release`` (``request.released``)."""
         return self.controller.poll()
 
     def settle(self) -> bool:

@@ -33,6 +33,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -217,7 +218,11 @@ class Controller:
         self.request_coverage: Counter[tuple[ReqState, ReqEvent]] = Counter()  # transitions taken
         self._owner = threading.get_ident()
         self.closed = False
-        self._holds_sigint = hold_sigint()  # NOTE: last: a refused construction holds nothing
+        # NOTE: last: a refused construction holds nothing; one collected unclosed lets go
+        self._sigint: weakref.finalize[Any, Any] | None = None
+        if hold_sigint():
+            self._sigint = weakref.finalize(self, release_sigint)
+            self._sigint.atexit = False
 
     # -- guards ------------------------------------------------------------------------------
 
@@ -227,13 +232,14 @@ class Controller:
         if threading.get_ident() != self._owner:
             raise MisuseError("HiCache is single-threaded: call it from the thread that created it")
 
-    def _live(self, req: object) -> Request:
+    def _live(self, req: object, call: str) -> Request:
         if not isinstance(req, Request):
-            raise MisuseError(f"expected a Request from admit(), got {type(req).__name__}")
+            raise MisuseError(f"{call}: expected a Request from admit(), got {type(req).__name__}")
         if req.released:
-            raise HandleError(f"request #{req.id} was released")
+            again = "; release it once" if call == "release" else "; a request's last call is release"
+            raise HandleError(f"{call}: request #{req.id} was released{again}")
         if self._requests.get(req.id) is not req:
-            raise HandleError(f"request #{req.id} is not a request of this cache (admitted by another one)")
+            raise HandleError(f"{call}: request #{req.id} is not a request of this cache (admitted by another one)")
         return req
 
     def _next(self, req: Request, event: ReqEvent, call: str) -> ReqState:
@@ -314,7 +320,7 @@ class Controller:
         """Where to restore from, by the policy and cost model, from the admission match (a
         decision only; :meth:`start_restore` commits it or refuses)."""
         self._enter()
-        self._live(req)
+        self._live(req, "plan")
         if req.state is not ReqState.ADMITTED:
             raise MisuseError(f"plan: request #{req.id} is {req.state.value}; plan right after admit")
         n1, n2, n3 = req.match.lengths
@@ -328,7 +334,7 @@ class Controller:
     def prefix_pages(self, req: Request) -> list[DevicePage]:
         """The L1 pages holding ``req.tokens[:req.cached_len]``, in order (no tree walk)."""
         self._enter()
-        self._live(req)
+        self._live(req, "prefix_pages")
         return list(req.pages)
 
     @atomic
@@ -337,7 +343,7 @@ class Controller:
         None, changing nothing, if no room can be made now. More pages than L1 could ever
         give it (with those it holds already) is a MisuseError: waiting would never help."""
         self._enter()
-        self._live(req)
+        self._live(req, "allocate")
         n = plain_int(n)  # type: ignore[assignment]
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise MisuseError(f"allocate: page count must be an int >= 0, got {n!r}")
@@ -349,7 +355,7 @@ class Controller:
         self._next(req, ReqEvent.ALLOCATE, "allocate")
         if not self._make_room(Tier.L1, n):
             return None
-        self._live(req)  # NOTE: making room may wait on a mover that called release(req)
+        self._live(req, "allocate")  # NOTE: making room may wait on a mover that called release(req)
         pages = self.core.allocate_l1(n)
         if pages is None:
             return None
@@ -368,7 +374,7 @@ class Controller:
         starts per the write policy. ``pages``: ints as :meth:`allocate` handed them out, or
         numpy integers, or a 1-D integer tensor or array."""
         self._enter()
-        self._live(req)
+        self._live(req, "insert")
         if _one_d_array(pages):  # an engine's page table row: a 1-D tensor or array of ids
             try:
                 pages = pages.tolist()  # type: ignore[attr-defined]
@@ -390,7 +396,9 @@ class Controller:
             odd = next(p for p in given if type(p) is not int)
             raise MisuseError(f"insert: page ids must be ints, got {odd!r} ({type(odd).__name__})")
         if len(set(own)) != len(own) or not mine.issuperset(own):
-            raise MisuseError("insert: pages must be distinct private pages allocated for this request")
+            raise MisuseError(
+                f"insert: pages must be distinct private pages allocated for this request; {self._odd(req, own)}"
+            )
         need = aligned // ps - req.cached_len // ps
         if len(own) < need:
             raise MisuseError(f"insert needs {need} pages for tokens [{req.cached_len}, {aligned}), got {len(own)}")
@@ -424,12 +432,30 @@ class Controller:
                 self._backup(result.node)
         return req.cached_len
 
+    def _odd(self, req: Request, pages: list[DevicePage]) -> str:
+        """What is wrong with the first page of ``pages`` that ``req`` cannot insert."""
+        seen: set[DevicePage] = set()
+        mine = set(req.private)
+        for p in pages:
+            if p in seen:
+                return f"page {p} is given twice"
+            seen.add(p)
+            if p in mine:
+                continue
+            if not 0 <= p < self.core.l1.capacity:
+                return f"page {p} is outside L1's pages [0, {self.core.l1.capacity})"
+            other = next((r.id for r in self._requests.values() if p in r.private), None)
+            if other is not None:
+                return f"page {p} is request #{other}'s"
+            return f"page {p} was not allocated to request #{req.id} (free, or the tree's)"
+        return "none is wrong"  # NOTE: cannot happen: called only when one is
+
     @atomic
     def release(self, req: Request) -> None:
         """The request finished or was aborted: free its private pages, drop its pins. A
         restore in flight completes in the background into the tree."""
         self._enter()
-        self._live(req)
+        self._live(req, "release")
         self._move(req, ReqEvent.RELEASE, "release")
         del self._requests[req.id]
         restore = req.restore
@@ -490,7 +516,7 @@ class Controller:
         ``pages`` so the engine can start the request's forward before publication. An L3
         restore ignores it (its H2D starts at a later poll)."""
         self._enter()
-        self._live(req)
+        self._live(req, "start_restore")
         if plan is not None and not isinstance(plan, Plan):
             raise MisuseError(f"start_restore: plan must be a Plan from plan(), got {type(plan).__name__}")
         events_ok = layer_events is None or (isinstance(layer_events, Sequence) and not isinstance(layer_events, str))
@@ -1073,13 +1099,19 @@ class Controller:
         return written
 
     def close(self) -> None:
-        """Release every request (a restore whose copy has not started is withdrawn), withdraw
-        backups not yet started (except H2S to a persistent store), drain the rest, then
-        :meth:`flush` to a persistent store (the D2H withdrawn included), close storage.
-        Afterwards every call but ``close`` raises MisuseError."""
+        """Release every request (with a warning: each should have been released; a restore
+        whose copy has not started is withdrawn), withdraw backups not yet started (except H2S
+        to a persistent store), drain the rest, then :meth:`flush` to a persistent store (the
+        D2H withdrawn included), close storage. Afterwards every call but ``close`` raises
+        MisuseError."""
         if self.closed:
             return
         self._enter()
+        if self._requests:  # NOTE: in a long-running loop, a request never released pins L1 for good
+            ids = ", ".join(f"#{r}" for r in list(self._requests)[:5]) + (", ..." if len(self._requests) > 5 else "")
+            log.warning(
+                "hicache: closing with %d request(s) never released (%s): released now", len(self._requests), ids
+            )
         for req in list(self._requests.values()):
             self.release(req)
         keep = self.storage is not None and self.storage.persistent
@@ -1100,9 +1132,8 @@ class Controller:
         self._stragglers.clear()
         self._unreported.clear()
         self.closed = True
-        if self._holds_sigint:
-            self._holds_sigint = False
-            release_sigint()
+        if self._sigint is not None:
+            self._sigint()  # NOTE: once: a finalizer runs at most once
 
 
 def _view(r: Request) -> RequestView:

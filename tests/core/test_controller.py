@@ -381,9 +381,14 @@ def test_a_request_of_another_instance_is_refused() -> None:
     HandleError naming it, and the owner still serves it."""
     a, b = make(), make()
     req = a.admit([1, 2, 3, 4])
-    for call in (lambda: b.plan(req), lambda: b.allocate(req, 1), lambda: b.release(req)):
+    for name, call in (
+        ("plan", lambda: b.plan(req)),
+        ("allocate", lambda: b.allocate(req, 1)),
+        ("release", lambda: b.release(req)),
+    ):
         with pytest.raises(
-            HandleError, match=rf"^request #{req.id} is not a request of this cache \(admitted by another one\)$"
+            HandleError,
+            match=rf"^{name}: request #{req.id} is not a request of this cache \(admitted by another one\)$",
         ):
             call()
     assert a.plan(req).tokens >= 0

@@ -15,7 +15,7 @@ from hicache.core.cache import CacheCore
 from hicache.core.controller import Controller, Request, WritePolicy
 from hicache.core.cost import CostModel, CostPriors, Plan
 from hicache.core.geometry import TierSizes
-from hicache.errors import ConfigError, MisuseError
+from hicache.errors import ConfigError, HandleError, MisuseError
 from hicache.spec.model import Tier
 from hicache.spec.request import ReqState
 from hicache.testing.tag_movers import TagDevice, TagFabric
@@ -57,11 +57,17 @@ _REFUSALS: list[tuple[str, Callable[[Controller, Request], object]]] = [
         rf"^start_restore: {re.escape(str(_PLAN_PART_PAGE))} does not fit request #1 \(hits \(0, 0, 0\)\)$",
         lambda c, req: c.start_restore(req, _PLAN_PART_PAGE),
     ),
-    (r"^expected a Request from admit\(\), got int$", lambda c, req: c.plan(7)),  # type: ignore[arg-type]
+    (r"^plan: expected a Request from admit\(\), got int$", lambda c, req: c.plan(7)),  # type: ignore[arg-type]
     (r"^tokens must be a 1-D sequence of ints, got str$", lambda c, req: c.admit("12")),
     (
-        r"^insert: pages must be distinct private pages allocated for this request$",
+        r"^insert: pages must be distinct private pages allocated for this request; page 7 was not allocated to "
+        r"request #1 \(free, or the tree's\)$",
         lambda c, req: c.insert(req, [7]),  # type: ignore[list-item]
+    ),
+    (
+        r"^insert: pages must be distinct private pages allocated for this request; page 8 is outside L1's pages "
+        r"\[0, 8\)$",
+        lambda c, req: c.insert(req, [8, 9]),  # type: ignore[list-item]
     ),
 ]
 _IDS = [
@@ -78,6 +84,7 @@ _IDS = [
     "plan-not-a-request",
     "admit-tokens-str",
     "insert-pages-not-private",
+    "insert-pages-outside-l1",
 ]
 
 
@@ -175,4 +182,42 @@ def test_zero_seconds_are_accepted() -> None:
     c.observe_prefill(4, 0.0)
     c.note_decode(0.0)
     assert len(c.cost.recompute.samples) + (c.cost.recompute.held is not None) == before + 1
+    c.close()
+
+
+def test_insert_names_a_page_given_twice_or_another_requests() -> None:
+    c, _ = _make()
+    a, b = c.admit([1, 2, 3, 4]), c.admit([5, 6, 7, 8])
+    pa, pb = c.allocate(a, 2), c.allocate(b, 2)
+    assert pa is not None and pb is not None
+    with pytest.raises(MisuseError, match=rf"; page {pa[0]} is given twice$"):
+        c.insert(a, [pa[0], pa[0]])
+    with pytest.raises(MisuseError, match=rf"; page {pb[1]} is request #{b.id}'s$"):
+        c.insert(a, [pa[0], pb[1]])
+    assert c.insert(a, pa) == 4 and c.insert(b, pb) == 4
+    c.release(a)
+    c.release(b)
+    c.check_integrity()
+    c.close()
+
+
+@pytest.mark.parametrize(
+    ("call", "hint"),
+    [
+        ("release", "release it once"),
+        ("allocate", "a request's last call is release"),
+        ("insert", "a request's last call is release"),
+        ("prefix_pages", "a request's last call is release"),
+        ("start_restore", "a request's last call is release"),
+    ],
+)
+def test_a_released_request_is_named_with_the_call_that_used_it(call: str, hint: str) -> None:
+    """Releasing twice and using a request after its release read differently."""
+    c, _ = _make()
+    req = c.admit([1, 2, 3, 4])
+    c.release(req)
+    args: dict[str, tuple[object, ...]] = {"allocate": (1,), "insert": ([0],)}
+    with pytest.raises(HandleError, match=rf"^{call}: request #{req.id} was released; {hint}$"):
+        getattr(c, call)(req, *args.get(call, ()))
+    c.check_integrity()
     c.close()

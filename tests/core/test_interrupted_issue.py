@@ -6,6 +6,7 @@ consistent, and every page served later is bit-identical to the page written."""
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from hicache import HiCache, HiCacheConfig
 from hicache.backends.stores.mover import StoreMover
 from hicache.backends.transfer import TransferEngine
+from hicache.core import interrupts
 from hicache.core.geometry import KVGeometry
 from hicache.errors import IntegrityError
 from hicache.spec.model import Direction, Tier
@@ -262,29 +264,45 @@ def test_a_handler_of_the_callers_gets_the_sigint_when_the_call_returns(
         seen.append(len(cache.requests()))  # after insert returned, before release
 
     signal.signal(signal.SIGINT, mine)
+    others = interrupts._Held.users  # caches other tests left open hold it too
     cache = make(armed, tmp_path)
     _sigint_inside_insert(cache, monkeypatch)
     assert seen == [1]
     nothing_held(cache)
     cache.close()
-    assert signal.getsignal(signal.SIGINT) is mine
+    assert signal.getsignal(signal.SIGINT) is mine if not others else interrupts._Held.before is mine
 
 
 @pytest.mark.usefixtures("python_sigint")
 def test_an_ignored_sigint_stays_ignored(armed: Armed, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    others = interrupts._Held.users
     cache = make(armed, tmp_path)
     _sigint_inside_insert(cache, monkeypatch)
     nothing_held(cache)
     cache.close()
-    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    assert (signal.getsignal(signal.SIGINT) if not others else interrupts._Held.before) == signal.SIG_IGN
+
+
+def test_a_cache_collected_unclosed_lets_go_of_sigint(armed: Armed, tmp_path: Any) -> None:
+    """Forgetting close() does not leave the forwarder in place for good."""
+    import gc
+
+    before = interrupts._Held.users
+    cache = make(armed, tmp_path)
+    assert interrupts._Held.users == before + (threading.current_thread() is threading.main_thread())
+    cache.controller.close()  # its storage, so the collection warns of nothing else
+    assert interrupts._Held.users == before
+    cache = make(armed, tmp_path)
+    cache.controller.storage.close()  # type: ignore[union-attr]
+    del cache
+    gc.collect()
+    assert interrupts._Held.users == before
 
 
 @pytest.mark.usefixtures("python_sigint")
 def test_a_cache_of_another_thread_leaves_sigint_alone(armed: Armed, tmp_path: Any) -> None:
     """Only the main thread runs signal handlers: a cache built elsewhere changes nothing."""
-    import threading
-
     handlers: list[object] = []
 
     def build() -> None:

@@ -67,7 +67,7 @@ def test_requests_are_numbered_from_one_in_admission_order() -> None:
     reqs = [c.admit([i, i]) for i in range(3)]
     assert [r.id for r in reqs] == [1, 2, 3]
     c.release(reqs[0])
-    with pytest.raises(HandleError, match=r"^request #1 was released$"):
+    with pytest.raises(HandleError, match=r"^release: request #1 was released; release it once$"):
         c.release(reqs[0])
     c.close()
 
