@@ -30,6 +30,11 @@ class PageOwnershipError(MisuseError):
     """Pages handed to hicache are out of range, duplicated, or not owned by the caller."""
 
 
+class PageContentError(MisuseError):
+    """The engine wrote an L1 page it did not own (a free page, or a published one): seen by
+    ``HiCacheConfig.guard_pages``, raised by ``check_integrity``."""
+
+
 class TransitionRefused(MisuseError):
     """The page-run spec refuses this operation in the run's current state."""
 

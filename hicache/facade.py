@@ -5,6 +5,7 @@ and a :class:`~hicache.core.controller.Controller`, and forwards the engine's ca
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import threading
@@ -12,11 +13,12 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
 from hicache.backends.faults import FaultInjector
+from hicache.backends.guard import Identity, PageGuard
 from hicache.backends.pools import DevicePool, HostPool, validate_l1
 from hicache.backends.stores import STORE_KINDS, PageStore, StoreMover, open_storage
 from hicache.backends.transfer import TransferBackend, TransferEngine
@@ -37,6 +39,10 @@ from hicache.core.metrics import Metrics
 from hicache.core.protocols import DeviceMover
 from hicache.core.status import ControllerStatus
 from hicache.errors import ConfigError, HiCacheError, MisuseError
+from hicache.spec.model import Tier
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # Storage I/O threads: each is a blocking reader or writer; more than this only adds threads
 # (a typo such as 10**9 would otherwise try to start them all).
@@ -104,6 +110,7 @@ class HiCacheConfig:
     device: str = field(default_factory=_default_device)
     tracing: bool = False  # check every state change against the spec (tests)
     verify_pages: bool = False  # digest every moved page and check it on arrival (slow; soak/bench)
+    guard_pages: bool = False  # catch an engine writing L1 pages it does not own (tests, small pools)
 
     def __post_init__(self) -> None:
         if not isinstance(self.geometry, KVGeometry):
@@ -150,7 +157,7 @@ class HiCacheConfig:
                 f"storage_backend {self.storage_backend!r} names pages by content: set model_id (the model's "
                 "name or checkpoint hash), so another model's pages never match"
             )
-        for name in ("storage_direct", "checksums", "tracing", "verify_pages"):
+        for name in ("storage_direct", "checksums", "tracing", "verify_pages", "guard_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.priors, CostPriors):
@@ -228,6 +235,26 @@ def _check_l1_buffer(config: HiCacheConfig, buffer: object) -> None:
         raise ConfigError("L1 tensor requires grad; hand hicache the KV pool itself (requires_grad=False)")
     if buffer.shape[2] != config.l1_pages:
         raise ConfigError(f"L1 tensor has {buffer.shape[2]} pages, config.l1_pages is {config.l1_pages}")
+
+
+def _guarded(call: Callable[P, R]) -> Callable[P, R]:
+    """A cache call the page guard watches: what the engine wrote before it, what it freed
+    and published (``HiCacheConfig.guard_pages``; nothing without it)."""
+
+    @functools.wraps(call)
+    def watched(*args: P.args, **kwargs: P.kwargs) -> R:
+        cache = args[0]
+        guard = cache._guard  # type: ignore[attr-defined]
+        if guard is None or cache.closed:  # type: ignore[attr-defined]
+            return call(*args, **kwargs)
+        guard.before(*cache._l1_owners())  # type: ignore[attr-defined]
+        try:
+            return call(*args, **kwargs)
+        finally:
+            if not cache.closed:  # type: ignore[attr-defined]
+                guard.after(*cache._l1_owners())  # type: ignore[attr-defined]
+
+    return watched
 
 
 class HiCache:
@@ -335,6 +362,7 @@ class HiCache:
         except BaseException:
             _close_quietly(storage if storage is not None else custom)
             raise
+        self._guard = PageGuard(self.l1) if config.guard_pages else None
         if l1_buffer is not None:
             _LIVE_L1[id(self)] = _extent(l1_buffer)
             weakref.finalize(self, _LIVE_L1.pop, id(self), None)
@@ -348,6 +376,7 @@ class HiCache:
 
     # -- the controller's calls ------------------------------------------------------------
 
+    @_guarded
     def admit(self, tokens: object, *, at_most: int | None = None) -> Request:
         """Match ``tokens`` once (within the first ``at_most`` tokens, if given) and pin the
         L1 hit (:meth:`Controller.admit`)."""
@@ -357,16 +386,19 @@ class HiCache:
         """Restore from L2, L3 or recompute: a decision only (:meth:`Controller.plan`)."""
         return self.controller.plan(req)
 
+    @_guarded
     def start_restore(
         self, req: Request, plan: Plan | None = None, *, layer_events: Sequence[Any] | None = None
     ) -> PendingRestore | None:
         """Commit a restore, asynchronously (:meth:`Controller.start_restore`)."""
         return self.controller.start_restore(req, plan, layer_events=layer_events)
 
+    @_guarded
     def restore(self, req: Request, plan: Plan | None = None) -> bool:
         """Blocking restore; True if ``cached_len`` grew (:meth:`Controller.restore`)."""
         return self.controller.restore(req, plan)
 
+    @_guarded
     def poll(self) -> list[PendingRestore]:
         """Advance transfers; the restores that finished (:meth:`Controller.poll`): published
         (``done``), failed (recompute), or cancelled by a ``release`` (``request.released``)."""
@@ -377,11 +409,13 @@ class HiCache:
         flight is a copy to the device; whether it blocked (:meth:`Controller.settle`)."""
         return self.controller.settle()
 
+    @_guarded
     def allocate(self, req: Request, n: int) -> list[DevicePage] | None:
         """``n`` private L1 pages, or None without room now; MisuseError if they could never
         fit (:meth:`Controller.allocate`)."""
         return self.controller.allocate(req, n)
 
+    @_guarded
     def insert(self, req: Request, pages: Sequence[DevicePage]) -> int:
         """Hand the prefilled prompt to the tree (:meth:`Controller.insert`)."""
         return self.controller.insert(req, pages)
@@ -390,6 +424,7 @@ class HiCache:
         """L1 pages of ``req.tokens[:req.cached_len]`` (:meth:`Controller.prefix_pages`)."""
         return self.controller.prefix_pages(req)
 
+    @_guarded
     def release(self, req: Request) -> None:
         """Finished or aborted: the request holds nothing (:meth:`Controller.release`)."""
         self.controller.release(req)
@@ -406,10 +441,12 @@ class HiCache:
         """Decode time spent while restores were pending (:meth:`Controller.note_decode`)."""
         self.controller.note_decode(seconds, ended=ended)
 
+    @_guarded
     def drain(self) -> None:
         """Block until every transfer in flight has finished."""
         self.controller.drain()
 
+    @_guarded
     def flush(self) -> int:
         """Back up to L3 every run held only in L1 or L2, blocking; the runs written
         (:meth:`Controller.flush`; ``close`` does it for a store that outlives the cache)."""
@@ -424,8 +461,21 @@ class HiCache:
         return self.controller.prometheus()
 
     def check_integrity(self) -> None:
-        """Raise IntegrityError naming the first broken invariant (page runs and requests)."""
+        """Raise IntegrityError naming the first broken invariant (page runs and requests);
+        with ``guard_pages``, then PageContentError for an L1 page the engine wrote and did
+        not own (hicache/backends/guard.py)."""
         self.controller.check_integrity()
+        if self._guard is not None and not self.closed:
+            self._guard.before(*self._l1_owners())
+            self._guard.check()
+
+    def _l1_owners(self) -> tuple[list[int], dict[int, Identity]]:
+        """The free L1 pages, and each published one with its run's identity."""
+        core = self.controller.core
+        published = {
+            p: (n.id, n.version[Tier.L1]) for n in core.tree.iter_nodes() if (ps := n.pages[Tier.L1]) for p in ps
+        }
+        return list(core.l1.free_pages()), published
 
     @property
     def cost(self) -> CostModel:

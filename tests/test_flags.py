@@ -66,6 +66,9 @@ def test_good_values_parse_and_keep_their_text() -> None:
         (["--count=3", "4"], "error: 4: not a flag (--count takes one value; see --help)"),
         (["--on", "4"], "error: 4: not a flag (every setting is a --flag; see --help)"),
         (["--count", "a\nb"], "error: --count 'a\\nb': not an integer"),
+        (["--count", "2", "--count", "3"], "error: --count: given twice (give it once)"),
+        (["--count=2", "--on", "--count", "2"], "error: --count: given twice (give it once)"),
+        (["--on", "--on"], "error: --on: given twice (give it once)"),
     ],
 )
 def test_every_error_is_one_line(argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,3 +88,12 @@ def test_the_light_commands_load_neither_the_engine_nor_transformers() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_flags_that_collect_may_repeat_and_words_after_the_separator_are_not_flags() -> None:
+    ap = parser()
+    ap.add_argument("--config", action="append")
+    ap.add_argument("-v", action="count", default=0)
+    ap.add_argument("rest", nargs="*")
+    args = ap.parse_args(["--config", "a", "--config", "b", "-v", "-v", "--", "--count", "--count"])
+    assert (args.config, args.v, args.rest) == (["a", "b"], 2, ["--count", "--count"])

@@ -252,6 +252,7 @@ class EngineConfig:
         transfer_backend: TransferBackend = "auto",
         priors: CostPriors | None = None,
         verify_pages: bool = False,
+        guard_pages: bool = False,
         **engine: Any,
     ) -> EngineConfig:
         """A config from keyword settings (the cache's geometry taken from ``model``;
@@ -294,6 +295,7 @@ class EngineConfig:
             priors=CostPriors() if priors is None else priors,
             device=_default_device() if device is None else str(device),
             verify_pages=verify_pages,
+            guard_pages=guard_pages,
         )
         return cls(cache, model, **engine)
 

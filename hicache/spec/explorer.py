@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, Self
 
+from hicache.errors import MisuseError
 from hicache.flags import ArgParser, positive_int
 from hicache.spec.invariants import Violation
 
@@ -164,10 +165,24 @@ def explore_main(
     ap.add_argument("--config", choices=sorted(configs), action="append", help="default: every configuration")
     ap.add_argument("--depth", type=positive_int, default=None, help="default: each configuration's own")
     args = ap.parse_args(argv)
-    reports = [run(name, args.depth) for name in args.config or sorted(configs)]
-    if len(reports) > 1:
-        print(combined_summary(reports), flush=True)
+    try:
+        reports = [run(name, args.depth) for name in args.config or sorted(configs)]
+        if len(reports) > 1:
+            print(combined_summary(reports), flush=True)
+    except BrokenPipeError:  # NOTE: piped into head: stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return 1 if any(r.violations for r in reports) else 0
+
+
+def check_run(name: object, depth: object, configs: Collection[str]) -> None:
+    """The arguments of an explorer's ``run``: a configuration it has, a depth of at least 1
+    (or None: the configuration's own); MisuseError otherwise (a depth of 0 explores nothing
+    and would pass)."""
+    if not isinstance(name, str) or name not in configs:
+        raise MisuseError(f"no configuration {name!r}; choose from {', '.join(sorted(configs))}")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+        raise MisuseError(f"depth must be an int >= 1 (or None: the configuration's own), got {depth!r}")
 
 
 def combined_summary(reports: Sequence[ExploreReport]) -> str:

@@ -20,8 +20,8 @@ L1); a failed transfer leaves the states as if the read never happened.
 State codes (the enum values) pack ``R`` into bits 0..2 and ``F`` into bits 3..6, so the
 core can derive a node's state with a few ``|`` and one list lookup::
 
-    bit:   0   1   2  |  3    4    5    6   |  7           8
-           L1  L2  L3 |  D2H  H2S  S2H  H2D |  L1_PRIVATE  REMOVED
+    bit:   0   1   2  |  3    4    5    6   |  7           8        9
+           L1  L2  L3 |  D2H  H2S  S2H  H2D |  L1_PRIVATE  REMOVED  REMOTE
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Self
 from hicache.core.cache import CacheCore
 from hicache.core.geometry import DevicePage, TierSizes
 from hicache.core.node import Lease, Node, Transfer
-from hicache.spec.explorer import Coverage, ExploreReport, explore, explore_main, transition_name
+from hicache.spec.explorer import Coverage, ExploreReport, check_run, explore, explore_main, transition_name
 from hicache.spec.invariants import Violation, check_all
 from hicache.spec.model import TABLE, Direction, RunState, Tier, may_evict
 from hicache.spec.snapshot import Snapshot
@@ -318,6 +318,7 @@ CONFIGS: dict[str, Config] = {
 
 def run(name: str, depth: int | None = None, *, verbose: bool = False) -> ExploreReport:
     """Explore configuration ``name`` to ``depth`` (its own depth if None)."""
+    check_run(name, depth, CONFIGS)
     cfg = CONFIGS[name]
     depth = cfg.depth if depth is None else depth
     if verbose:

@@ -33,7 +33,7 @@ from hicache.core.cost import CostModel, CostPriors
 from hicache.core.geometry import DevicePage, TierSizes
 from hicache.core.node import Lease, Node
 from hicache.errors import HiCacheError
-from hicache.spec.explorer import Coverage, ExploreReport, explore, explore_main, transition_name
+from hicache.spec.explorer import Coverage, ExploreReport, check_run, explore, explore_main, transition_name
 from hicache.spec.invariants import Violation
 from hicache.spec.model import TABLE, Direction, Tier
 from hicache.spec.request import REQUEST_TABLE, ReqEvent, ReqState, request_step
@@ -458,6 +458,7 @@ class _SharingUnpickler(pickle.Unpickler):
 
 def run(name: str, depth: int | None = None, *, verbose: bool = False) -> ExploreReport:
     """Explore configuration ``name`` to ``depth`` (its own depth if None)."""
+    check_run(name, depth, CONFIGS)
     cfg = CONFIGS[name]
     depth = cfg.depth if depth is None else depth
     if verbose:

@@ -11,11 +11,13 @@ the count alone, so ``dec`` and ``reset`` lead back into states seen before::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable
 from enum import Enum
 
 import pytest
 
+from hicache.errors import MisuseError
 from hicache.spec.explorer import Coverage, ExploreReport, explore, explore_main, transition_name
 from hicache.spec.invariants import Violation
 from hicache.spec.model import RunState
@@ -242,3 +244,48 @@ def test_one_configuration_prints_no_combined_line(capsys: pytest.CaptureFixture
     """With one configuration its own summary is the last word."""
     assert explore_main(["--config", "a"], "toy", {"a", "b"}, _Runs()) == 0
     assert "[all" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", ["explore_core", "explore_requests"])
+@pytest.mark.parametrize(
+    ("name", "depth", "says"),
+    [
+        ("nope", None, "no configuration 'nope'; choose from "),
+        (None, None, "no configuration None"),
+        ("first", 0, "depth must be an int >= 1"),
+        ("first", -3, "depth must be an int >= 1"),
+        ("first", 2.5, "got 2.5"),
+        ("first", "2", "got '2'"),
+        ("first", True, "got True"),
+    ],
+)
+def test_an_explorers_run_refuses_what_would_explore_nothing(
+    module: str, name: object, depth: object, says: str
+) -> None:
+    """From Python as from the command line: an unknown configuration or a depth below 1 is
+    refused (depth 0 explored one state and passed)."""
+    import importlib
+
+    explorer = importlib.import_module(f"hicache.testing.{module}")
+    if name == "first":
+        name = sorted(explorer.CONFIGS)[0]
+    with pytest.raises(MisuseError, match=re.escape(says)):
+        explorer.run(name, depth)
+
+
+def test_an_explorer_piped_into_head_stops_without_a_traceback() -> None:
+    """``... | head`` closes the pipe early: the explorer stops quietly (status 141, as a
+    shell tool killed by SIGPIPE). Here the pipe is closed before it starts: its first
+    line already finds no reader."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        cmd = [sys.executable, "-m", "hicache.testing.explore_core", "--config", "ps1", "--depth", "2"]
+        done = subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, timeout=300, check=False)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, b"")
