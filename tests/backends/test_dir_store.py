@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -678,3 +679,58 @@ def test_a_directory_under_a_page_or_temp_name_is_left_and_the_store_opens(
 def test_a_name_longer_than_the_system_takes_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"L3 directory .*: File name too long"):
         dir_store(tmp_path / ("n" * 300))
+
+
+@pytest.mark.parametrize("damage", ["directory", "unreadable"])
+def test_a_page_that_cannot_be_read_is_forgotten_not_retried(
+    tmp_path: Path, damage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page replaced by a directory, or made unreadable, while the store runs: the read
+    fails that page and the store forgets it, so the next admission does not try it again;
+    the page before it is still served."""
+    s = dir_store(tmp_path)
+    fill(s.host, [0, 1], [0, 1])
+    assert s.write([0, 1], [0, 1], KEYS[:2]).wait()
+    name = KEYS[1].hex() + ".page"
+    if damage == "directory":
+        (tmp_path / name).unlink()
+        (tmp_path / name).mkdir()
+    else:  # NOTE: root reads a mode-000 file all the same: the open is refused here instead
+        real_open = os.open
+
+        def refuse(path: Any, *args: Any, **kwargs: Any) -> int:
+            if path == name:
+                raise PermissionError(13, "Permission denied")
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", refuse)
+    ticket = s.read([0, 1], [4, 5], KEYS[:2])
+    assert not ticket.wait() and ticket.statuses[0] is PageStatus.OK
+    assert ticket.statuses[1] is (PageStatus.CORRUPT if damage == "directory" else PageStatus.MISSING)
+    assert s.exists(KEYS[:2]) == 1
+    assert torch.equal(s.host.bytes[4], page_bytes(0))
+    s.close()
+
+
+def test_running_out_of_descriptors_at_open_deletes_no_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EMFILE while checking the pages is the process's limit, not a bad page: the open is
+    refused and every page is still there for the next one."""
+    s = dir_store(tmp_path)
+    fill(s.host, [0, 1], [0, 1])
+    assert s.write([0, 1], [0, 1], KEYS[:2]).wait()
+    s.close()
+    real_open = os.open
+
+    def no_descriptors(path: Any, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith(".page"):
+            raise OSError(24, "Too many open files")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_descriptors)
+    with pytest.raises(ConfigError, match="Too many open files"):
+        dir_store(tmp_path)
+    monkeypatch.setattr(os, "open", real_open)
+    assert len(page_files(tmp_path)) == 2
+    s = dir_store(tmp_path)
+    assert s.exists(KEYS[:2]) == 2
+    s.close()

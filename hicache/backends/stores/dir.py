@@ -207,7 +207,9 @@ class DirStore:
     def _read_trailer(self, name: str) -> bytes | None:
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):  # NOTE: the process's limits, not
+                raise  # the page's fault: the open fails rather than delete good pages
             return None
         try:
             parsed = _parse_trailer(os.pread(fd, TRAILER_BYTES, self.bytes_per_page), self.bytes_per_page)
@@ -386,6 +388,16 @@ class DirStore:
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirfd)
         except FileNotFoundError:
+            with self._lock:
+                self._lru.pop(key, None)
+            return PageStatus.MISSING
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP):
+                raise
+            # NOTE: what is under the name cannot be read, and would not be by the next read
+            # either: forgotten (a write may replace it), so the prompt recomputes once, not
+            # at every admission.
+            log.warning("hicache L3 dir: page %s cannot be opened (%s); forgotten", key.hex(), exc.strerror)
             with self._lock:
                 self._lru.pop(key, None)
             return PageStatus.MISSING
