@@ -48,6 +48,14 @@ def test_the_example_passes_over_our_backends_and_takes_every_transition() -> No
     done = _run()
     assert done.returncode == 0, done.stderr[-4000:]
     assert "passed: page-run transitions 72/72, request transitions 21/21" in done.stdout, done.stdout
+    assert "not every transition was taken" not in done.stdout
+
+
+def test_a_short_run_says_it_took_fewer_transitions() -> None:
+    """Checks that held over a few short runs pass, and the output says what they missed."""
+    done = _run("--steps", "2", "--no-sweep")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "never taken: " in done.stdout and "not every transition was taken" in done.stdout
 
 
 @pytest.mark.parametrize(
