@@ -30,6 +30,21 @@ ROOT = Path(__file__).resolve().parent.parent
 CURATED = ROOT / "bench" / "results"  # the tracked set the docs cite; written only when asked
 
 
+def with_defaults(defaults: list[str], argv: list[str]) -> list[str]:
+    """``argv`` after the ``defaults`` (``--flag value`` pairs and bare switches) it does not
+    give itself: a probe's defaults yield to the user's flags (a flag may be given once)."""
+    given = {word.partition("=")[0] for word in argv if word.startswith("--")}
+    out: list[str] = []
+    for i, word in enumerate(defaults):
+        if not word.startswith("--"):
+            continue
+        value = defaults[i + 1 : i + 2]
+        pair = [word, *value] if value and not value[0].startswith("--") else [word]
+        if word not in given:
+            out += pair
+    return [*out, *argv]
+
+
 def default_out() -> Path:
     """Outside the repository unless asked: ``$HICACHE_BENCH_OUT`` or /tmp/hicache-bench."""
     return Path(os.environ.get("HICACHE_BENCH_OUT", "/tmp/hicache-bench"))

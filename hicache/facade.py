@@ -469,13 +469,16 @@ class HiCache:
             self._guard.before(*self._l1_owners())
             self._guard.check()
 
-    def _l1_owners(self) -> tuple[list[int], dict[int, Identity]]:
-        """The free L1 pages, and each published one with its run's identity."""
+    def _l1_owners(self) -> tuple[list[int], dict[int, Identity], set[int]]:
+        """The free L1 pages, each published one with its run's identity, and the requests' own."""
         core = self.controller.core
         published = {
             p: (n.id, n.version[Tier.L1]) for n in core.tree.iter_nodes() if (ps := n.pages[Tier.L1]) for p in ps
         }
-        return list(core.l1.free_pages()), published
+        private: set[int] = set()
+        for r in self.controller.requests():
+            private.update(r.private)
+        return list(core.l1.free_pages()), published, private
 
     @property
     def cost(self) -> CostModel:

@@ -175,7 +175,6 @@ class ArgParser(argparse.ArgumentParser):
         self._negative_number_matcher = _NEGATIVE
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
-        self._once(list(sys.argv[1:] if args is None else args))
         parsed, extra = self.parse_known_args(args, namespace)
         if extra:  # NOTE: the words as given (argparse's own error joins them with spaces)
             self.error(self._unknown(extra, list(sys.argv[1:] if args is None else args)))
@@ -193,22 +192,6 @@ class ArgParser(argparse.ArgumentParser):
             message = f"{flag}: {reason}" if reason.startswith("expected") else f"{flag} {reason}"
         line = message.replace("\n", "\\n").replace("\r", "\\r")  # NOTE: one line, whatever a value held
         self.exit(2, f"error: {line}\n")
-
-    def _once(self, argv: list[str]) -> None:
-        """A flag that sets one value, given twice: argparse keeps the last silently, so
-        ``--config a --config b`` would run b alone. Refused (flags that collect, ``append``
-        and ``count``, may repeat)."""
-        seen: set[str] = set()
-        for word in argv:
-            if word == "--":
-                return
-            action = self._option_string_actions.get(word.partition("=")[0])
-            if action is None or isinstance(action, (argparse._AppendAction, argparse._CountAction)):
-                continue
-            name = _long("/".join(action.option_strings))
-            if name in seen:
-                self.error(f"{name}: given twice (give it once)")
-            seen.add(name)
 
     def _unknown(self, words: list[str], argv: list[str]) -> str:
         """The first unknown flag and its value, or the first stray word, with a reason."""

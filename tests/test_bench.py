@@ -457,3 +457,20 @@ def test_plots_names_what_is_wrong_with_a_result_file(tmp_path: Path, text: str,
         [sys.executable, "plots.py", str(path)], cwd=ROOT / "bench", capture_output=True, text=True, timeout=120
     )
     assert (run.returncode, run.stdout, run.stderr) == (2, "", f"error: {path}: {says}\n")
+
+
+def test_a_probes_defaults_yield_to_the_users_flags() -> None:
+    """A probe passes its defaults before the user's words: each flag is given once (the
+    parser refuses one given twice), the user's value when the user gives it."""
+    from common import with_defaults
+
+    defaults = ["--no-rotation", "--repeats", "1", "--decoders", "4"]
+    assert with_defaults(defaults, []) == defaults
+    assert with_defaults(defaults, ["--decoders", "8", "--no-rotation"]) == [
+        "--repeats",
+        "1",
+        "--decoders",
+        "8",
+        "--no-rotation",
+    ]
+    assert with_defaults(defaults, ["--repeats=3"]) == ["--no-rotation", "--decoders", "4", "--repeats=3"]

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the stress bench
 import bench_hicache
 import bench_hicache_stress
+from common import with_defaults
 
 from hicache.backends.transfer import TransferEngine
 from hicache.core.controller import Controller
@@ -76,7 +77,7 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--latency"]:
         bench_hicache.main(argv[1:])
     else:
-        bench_hicache_stress.main(["--no-rotation", "--repeats", "1", "--decoders", "4", *argv])
+        bench_hicache_stress.main(with_defaults(["--no-rotation", "--repeats", "1", "--decoders", "4"], argv))
     launches = calls["launch"] or 1
     print(f"\nHost time per restore start ({calls['start']} starts, {calls['launch']} layered launches):")
     for key in sorted(seconds, key=lambda k: (k.split(":")[0], -seconds[k])):

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/probes/
 import bench_hicache
+from common import with_defaults
 from restore_timeline import HOST  # the same host phases as the profiled timeline
 
 from hicache.backends import dma
@@ -141,7 +142,7 @@ def main(argv: list[str]) -> None:
         return out
 
     Engine.generate = timed  # type: ignore[method-assign]
-    bench_hicache.main(["--iterations", "8", "--warmup", "2", *argv])
+    bench_hicache.main(with_defaults(["--iterations", "8", "--warmup", "2"], argv))
     for i, (ttft, host, device) in enumerate(done):
         print(f"\nrestore {i}: TTFT {ttft:.3f} ms (ms from arrival; host by perf_counter, device by CUDA events)")
         marks = [(a, f"host   {label:<22} {a:8.3f} .. {b:8.3f}") for label, (a, b) in host.items()]

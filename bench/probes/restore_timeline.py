@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 import bench_hicache
+from common import with_defaults
 
 from hicache.backends.transfer import TransferEngine
 from hicache.engine.engine import Engine
@@ -151,7 +152,7 @@ def main(argv: list[str]) -> None:
         return out
 
     Engine.generate = profiled  # type: ignore[method-assign]
-    bench_hicache.main(["--iterations", "8", "--warmup", "2", *argv])
+    bench_hicache.main(with_defaults(["--iterations", "8", "--warmup", "2"], argv))
     for i, s in enumerate(summaries):
         print(f"\nrestore {i}: TTFT {s['ttft_ms']:.2f} ms (unprofiled by the host's clock, profiled here)")
         for label, (start, end, busy, n) in sorted(s["host"].items(), key=lambda kv: kv[1][0]):

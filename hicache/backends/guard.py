@@ -41,6 +41,7 @@ class PageGuard:
         self.bytes = l1.slabs.view(torch.uint8)  # [2 * layers, pages, bytes of a page's slab row]
         self.digests: dict[int, tuple[Identity, int]] = {}
         self.poisoned: set[int] = set(range(self.bytes.shape[1]))  # free and filled at the last call's end
+        self.private: set[int] = set()  # the requests' own pages at the call's start
         self.broken: str | None = None  # the first broken rule, kept for check_integrity
         self.bytes[:] = POISON
 
@@ -55,8 +56,9 @@ class PageGuard:
     def _digest(self, page: int) -> int:
         return xxhash.xxh3_64_intdigest(self.bytes[:, page].contiguous().cpu().numpy().tobytes())
 
-    def before(self, free: Iterable[int], published: Mapping[int, Identity]) -> None:
+    def before(self, free: Iterable[int], published: Mapping[int, Identity], private: set[int]) -> None:
         """At a call's start: what the engine did since the last call."""
+        self.private = private
         if self.broken is not None:
             return
         dirty = self._dirty(sorted(self.poisoned.intersection(free)))
@@ -75,10 +77,12 @@ class PageGuard:
                 )
                 return
 
-    def after(self, free: Iterable[int], published: Mapping[int, Identity]) -> None:
-        """At a call's end: fill the free pages hicache wrote in it, digest new publications."""
+    def after(self, free: Iterable[int], published: Mapping[int, Identity], private: set[int]) -> None:
+        """At a call's end: fill the free pages hicache wrote in it and the pages it handed
+        out (an allocate that evicts hands out pages that were never free), digest new
+        publications."""
         free = sorted(free)
-        dirty = self._dirty(free)
+        dirty = self._dirty(free) + sorted(private - self.private)
         if dirty:
             idx = torch.tensor(dirty, dtype=torch.long, device=self.bytes.device)
             self.bytes[:, idx] = POISON

@@ -43,7 +43,7 @@ from typing import Any
 from hicache.core.cache import CacheCore
 from hicache.core.cost import CostModel, Plan
 from hicache.core.geometry import DevicePage
-from hicache.core.interrupts import atomic, hold_sigint, release_sigint
+from hicache.core.interrupts import atomic, hold_sigint, interruptible, release_sigint
 from hicache.core.keys import page_keys
 from hicache.core.metrics import Levels, Metrics
 from hicache.core.node import Lease, Node, Transfer
@@ -711,23 +711,24 @@ class Controller:
             return None
         l3: StorageTicketLike | None = None
         try:
-            if direction is Direction.D2H:
-                ticket = self.device.d2h(transfer.src, transfer.dst)
-            elif direction is Direction.H2D:
-                ticket = self.device.h2d(transfer.src, transfer.dst, layer_events=layer_events)
-            elif self.storage is None:
-                raise IntegrityError("structure", repr(node), f"{direction.name} without storage")
-            else:
-                if not self.storage.keyed:
-                    io = self.storage.write if direction is Direction.H2S else self.storage.read
-                    l3 = io(transfer.src, transfer.dst)
+            with interruptible():  # NOTE: a mover may block; an interrupt here fails this transfer
+                if direction is Direction.D2H:
+                    ticket = self.device.d2h(transfer.src, transfer.dst)
+                elif direction is Direction.H2D:
+                    ticket = self.device.h2d(transfer.src, transfer.dst, layer_events=layer_events)
+                elif self.storage is None:
+                    raise IntegrityError("structure", repr(node), f"{direction.name} without storage")
                 else:
-                    keys, above = self._keys(transfer), self._above(transfer)
-                    if direction is Direction.H2S:
-                        l3 = self.storage.write(transfer.src, transfer.dst, keys, above=above)
+                    if not self.storage.keyed:
+                        io = self.storage.write if direction is Direction.H2S else self.storage.read
+                        l3 = io(transfer.src, transfer.dst)
                     else:
-                        l3 = self.storage.read(transfer.src, transfer.dst, keys, above=above)
-                ticket = l3
+                        keys, above = self._keys(transfer), self._above(transfer)
+                        if direction is Direction.H2S:
+                            l3 = self.storage.write(transfer.src, transfer.dst, keys, above=above)
+                        else:
+                            l3 = self.storage.read(transfer.src, transfer.dst, keys, above=above)
+                    ticket = l3
         except HiCacheError:
             core.fail(transfer)
             raise

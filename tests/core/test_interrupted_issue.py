@@ -238,6 +238,11 @@ def test_ctrl_c_inside_the_bookkeeping_lands_when_the_call_returns(
     cache.close()
 
 
+def stands_for(handler: object) -> object:
+    """The handler SIGINT reaches: through a cache's forwarder, the one it stands in for."""
+    return getattr(handler, "before", handler)
+
+
 def _sigint_inside_insert(cache: HiCache, monkeypatch: pytest.MonkeyPatch) -> None:
     """Serve A with a SIGINT raised inside insert's bookkeeping (after the core adopts the pages)."""
     core = cache.controller.core
@@ -270,7 +275,8 @@ def test_a_handler_of_the_callers_gets_the_sigint_when_the_call_returns(
     assert seen == [1]
     nothing_held(cache)
     cache.close()
-    assert signal.getsignal(signal.SIGINT) is mine if not others else interrupts._Held.before is mine
+    assert stands_for(signal.getsignal(signal.SIGINT)) is mine
+    assert not others or signal.getsignal(signal.SIGINT) is not mine  # others hold it still
 
 
 @pytest.mark.usefixtures("python_sigint")
@@ -281,7 +287,8 @@ def test_an_ignored_sigint_stays_ignored(armed: Armed, tmp_path: Any, monkeypatc
     _sigint_inside_insert(cache, monkeypatch)
     nothing_held(cache)
     cache.close()
-    assert (signal.getsignal(signal.SIGINT) if not others else interrupts._Held.before) == signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # never replaced: children inherit it
+    del others
 
 
 def test_a_cache_collected_unclosed_lets_go_of_sigint(armed: Armed, tmp_path: Any) -> None:
@@ -314,3 +321,64 @@ def test_a_cache_of_another_thread_leaves_sigint_alone(armed: Armed, tmp_path: A
     t.start()
     t.join(60)
     assert handlers == [signal.default_int_handler]
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_a_forwarder_put_back_after_the_caches_closed_still_reaches_its_handler(armed: Armed, tmp_path: Any) -> None:
+    """``old = signal.signal(SIGINT, h)`` while a cache is open saves its forwarder; put back
+    after the cache closed, Ctrl-C still raises KeyboardInterrupt (it was swallowed)."""
+    cache = make(armed, tmp_path)
+    old = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    cache.close()
+    signal.signal(signal.SIGINT, old)
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_a_handler_put_back_while_another_cache_opened_is_the_one_reached(armed: Armed, tmp_path: Any) -> None:
+    """Cache A open; a handler set for a while, cache B opened meanwhile, the saved handler
+    put back: Ctrl-C reaches Python's own again, not the one set for a while."""
+    first = make(armed, tmp_path)
+    saved = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    (tmp_path / "b").mkdir()
+    second = make(armed, tmp_path / "b")
+    signal.signal(signal.SIGINT, saved)
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+    second.close()
+    first.close()
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_a_mover_blocked_while_issuing_a_copy_can_be_interrupted(
+    armed: Armed, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while a mover issues a copy (an embedder's mover may block there) raises at
+    once, inside the mover, not when the cache call returns; that transfer fails, nothing
+    stays held, and what is served afterwards is what was written."""
+    cache = make(armed, tmp_path)
+    for prompt in (A, B):
+        serve(cache, prompt)
+        cache.drain()
+    mover = cache.controller.device
+    real = mover.h2d
+    after_the_signal: list[int] = []
+
+    def blocked(*args: Any, **kwargs: Any) -> Any:
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C while it waits
+        after_the_signal.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mover, "h2d", blocked)
+    with pytest.raises(KeyboardInterrupt):
+        serve(cache, A)
+    assert after_the_signal == []
+    for req in cache.requests():
+        cache.release(req)
+    nothing_held(cache)
+    monkeypatch.setattr(mover, "h2d", real)
+    for prompt in (A, B, C, A):
+        serve(cache, prompt)
+        nothing_held(cache)
+    cache.close()

@@ -130,3 +130,17 @@ def test_a_loop_that_keeps_to_its_pages_is_never_reported(fault: str | None) -> 
         cache.check_integrity()
     assert cache.status().metrics["restores"] > 0
     cache.close()
+
+
+def test_a_page_allocate_takes_by_evicting_reads_as_nan_too() -> None:
+    """Under pressure allocate evicts a cached prefix and hands its pages out at once: they
+    are filled as a free page is, not left holding the evicted K/V."""
+    cache = make(l1_pages=3, l2_pages=0)
+    serve(cache, A[:8])  # 2 pages, cached in L1
+    req = cache.admit(B[:8])
+    own = cache.allocate(req, 3)  # more than the one free page: the prefix is evicted
+    assert own is not None
+    assert torch.isnan(cache.l1.buffer[:, :, own]).all()
+    cache.release(req)
+    cache.check_integrity()
+    cache.close()

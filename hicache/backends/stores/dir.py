@@ -288,8 +288,16 @@ class DirStore:
                     out[i] = PageStatus.FAILED
                 else:
                     written.append((i, tmp))
+            named: list[tuple[int, str]] = []
             for i, tmp in written:  # NOTE: only durable bytes get a page's name
-                os.rename(tmp, _name(keys[i]), src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
+                try:
+                    os.rename(tmp, _name(keys[i]), src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
+                except IsADirectoryError:  # NOTE: someone's directory has the name: this page alone fails
+                    self._unlink(tmp)
+                    out[i] = PageStatus.FAILED
+                    continue
+                named.append((i, tmp))
+            written = named
             if written and self.fsync:
                 os.fsync(self.dirfd)
         except BaseException:
