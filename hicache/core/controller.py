@@ -246,7 +246,10 @@ class Controller:
         """The state ``event`` leads ``req`` to; MisuseError if the request model refuses it."""
         nxt = request_step(req.state, event)
         if nxt is None:
-            raise MisuseError(f"{call}: request #{req.id} is {req.state.value}; {event.value!r} is not allowed there")
+            wait = " (wait until poll() reports its restore)" if req.state in _RESTORING else ""
+            raise MisuseError(
+                f"{call}: request #{req.id} is {req.state.value}; {event.value!r} is not allowed there{wait}"
+            )
         return nxt
 
     def _move(self, req: Request, event: ReqEvent, call: str) -> None:
@@ -1135,6 +1138,9 @@ class Controller:
         self.closed = True
         if self._sigint is not None:
             self._sigint()  # NOTE: once: a finalizer runs at most once
+
+
+_RESTORING = (ReqState.LOADING_L3, ReqState.LOADING_L2)
 
 
 def _view(r: Request) -> RequestView:

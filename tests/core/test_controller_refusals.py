@@ -139,7 +139,10 @@ def test_allocate_while_loading_from_storage_is_refused_naming_the_call_and_the_
     _cached(c, tokens, Tier.L1, Tier.L2)
     req = c.admit(tokens)
     assert c.start_restore(req) is not None
-    refused = rf"^allocate: request #{req.id} is loading_l3; 'allocate' is not allowed there$"
+    refused = (
+        rf"^allocate: request #{req.id} is loading_l3; 'allocate' is not allowed there "
+        r"\(wait until poll\(\) reports its restore\)$"
+    )
     with pytest.raises(MisuseError, match=refused):
         c.allocate(req, 1)
     c.release(req)
