@@ -548,9 +548,14 @@ def _lock_dir(dirfd: int, path: Path) -> int:
         fcntl.flock(dirfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        who = "another cache of this process" if holder == str(os.getpid()) else f"another process (pid {holder})"
+        if not holder:  # NOTE: the directory is locked, but its LOCK file was removed and made anew
+            who = "another process (its pid is unknown: the LOCK file was removed)"
+        elif holder == str(os.getpid()):
+            who = "another cache of this process"
+        else:
+            who = f"another process (pid {holder})"
         raise ConfigError(f"L3 directory {path} is in use by {who}; give each its own") from exc
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
