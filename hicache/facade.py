@@ -13,7 +13,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -237,22 +237,21 @@ def _check_l1_buffer(config: HiCacheConfig, buffer: object) -> None:
         raise ConfigError(f"L1 tensor has {buffer.shape[2]} pages, config.l1_pages is {config.l1_pages}")
 
 
-def _guarded(call: Callable[P, R]) -> Callable[P, R]:
+def _guarded(call: Callable[Concatenate[HiCache, P], R]) -> Callable[Concatenate[HiCache, P], R]:
     """A cache call the page guard watches: what the engine wrote before it, what it freed
     and published (``HiCacheConfig.guard_pages``; nothing without it)."""
 
     @functools.wraps(call)
-    def watched(*args: P.args, **kwargs: P.kwargs) -> R:
-        cache = args[0]
-        guard = cache._guard  # type: ignore[attr-defined]
-        if guard is None or cache.closed:  # type: ignore[attr-defined]
-            return call(*args, **kwargs)
-        guard.before(*cache._l1_owners())  # type: ignore[attr-defined]
+    def watched(cache: HiCache, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        guard = cache._guard
+        if guard is None or cache.closed:
+            return call(cache, *args, **kwargs)
+        guard.before(*cache._l1_owners())
         try:
-            return call(*args, **kwargs)
+            return call(cache, *args, **kwargs)
         finally:
-            if not cache.closed:  # type: ignore[attr-defined]
-                guard.after(*cache._l1_owners())  # type: ignore[attr-defined]
+            if not cache.closed:
+                guard.after(*cache._l1_owners())
 
     return watched
 
