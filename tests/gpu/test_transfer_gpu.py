@@ -214,3 +214,57 @@ def test_fragmented_ring_dmas_go_in_one_batch_and_land_exactly(direction: str) -
     assert engine.paths["ring"] == 1
     assert dma.batch_usable()  # accepted: not dropped to one call per run
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
+def test_the_batch_table_matches_the_drivers_struct() -> None:
+    """dma.ops lays a copy out byte for byte as cuda-python's CUDA_MEMCPY3D_BATCH_OP does."""
+    import ctypes
+
+    from cuda.bindings import driver as drv
+
+    copy = (0x7F0000001000, 4096, 0x7F0000202000, 512, 256, 7)
+    op = drv.CUDA_MEMCPY3D_BATCH_OP()
+    for side, ptr, pitch in ((op.src, copy[2], copy[3]), (op.dst, copy[0], copy[1])):
+        side.type = drv.CUmemcpy3DOperandType.CU_MEMCPY_OPERAND_TYPE_POINTER
+        side.op.ptr.ptr, side.op.ptr.rowLength, side.op.ptr.layerHeight = ptr, pitch, copy[5]
+    op.extent.width, op.extent.height, op.extent.depth = copy[4], copy[5], 1
+    op.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    theirs = bytes((ctypes.c_ubyte * 112).from_address(op.getPtr()))
+    assert dma.ops([copy]).tobytes() == theirs
+
+
+@pytest.mark.skipif(not dma.AVAILABLE, reason="needs cuda-python")
+@pytest.mark.parametrize("n", [2, 5, 33])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_batched_page_copies_land_exactly_and_the_driver_takes_them(direction: str, n: int) -> None:
+    """The copy path's per-page DMAs in one cuMemcpy3DBatchAsync: every page lands bit for
+    bit where a per-call copy puts it, and the driver accepted the batch (a refusal would
+    drop to one call per copy for good)."""
+    g = KVGeometry(4, 2, 64, 16, torch.bfloat16)
+    dev = DevicePool.allocate(g, 80, "cuda")
+    dev.buffer.view(torch.int16).random_(-(2**15), 2**15 - 1)
+    host = HostPool(g, 80)
+    host.slabs.view(torch.int16).random_(-(2**15), 2**15 - 1)
+    rng = random.Random(n)
+    l1, l2 = rng.sample(range(80), n), rng.sample(range(80), n)
+    batched = TransferEngine(dev, host, "auto", copy_max_pages=64)
+    single = TransferEngine(dev, host, "auto", copy_max_pages=64, batch_rows=False)
+    assert batched.batch_rows and not single.batch_rows
+    if direction == "d2h":
+        assert batched.d2h(l1, l2).wait()
+        got = host.slabs[l2].clone()
+        host.slabs[l2] = 0
+        assert single.d2h(l1, l2).wait()
+        want = host.slabs[l2]
+        assert torch.equal(want, dev.slabs[:, l1].transpose(0, 1).cpu())
+    else:
+        assert batched.h2d(l2, l1).wait()
+        got = dev.slabs[:, l1].transpose(0, 1).cpu()
+        dev.slabs[:, l1] = 0
+        assert single.h2d(l2, l1).wait()
+        want = dev.slabs[:, l1].transpose(0, 1).cpu()
+        assert torch.equal(want, host.slabs[l2])
+    assert torch.equal(got, want)
+    assert batched.paths["copy"] == 1 and dma.rows_batch_usable()
+    assert batched.status()["batch_rows"]
