@@ -97,7 +97,6 @@ def run_tier(net: torch.nn.Module, args: argparse.Namespace, tier: str, prefix: 
         engine.cache.device.straight_runs = args.straight_runs
     if args.straight_max_pages is not None:
         engine.cache.device.straight_max_pages = args.straight_max_pages
-    engine.cache.device.batch_rows = not args.per_call_rows
     rng = random.Random(prefix)
     vocab = int(net.config.vocab_size)  # type: ignore[union-attr, arg-type]
     prefixes = [[rng.randrange(vocab) for _ in range(prefix)] for _ in range(2)]
@@ -266,11 +265,6 @@ def parser() -> ArgParser:
         "--split-layered",
         action="store_true",
         help="a layered restore's scatters on the transfer engine's kernel stream (TransferEngine.split_layered)",
-    )
-    b.add_argument(
-        "--per-call-rows",
-        action="store_true",
-        help="one driver call per strided DMA instead of one batch per layer group (TransferEngine.batch_rows)",
     )
     b.add_argument(
         "--straight-runs",

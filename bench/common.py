@@ -272,7 +272,6 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
                 "straight_max_pages",
                 "d2d_runs",
                 "d2d_min_bytes",
-                "batch_rows",
             )
         }
         | {"layer_groups": engine.cache.device.layer_groups()},

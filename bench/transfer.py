@@ -5,9 +5,6 @@ H2D: the time from the call to the completed ticket of
 
 * ``default``: the engine as configured (its own choice of path per size),
 * ``ring``: forced through the ring (gather/scatter + DMA, chunk by chunk),
-* ``copy``: forced onto the copy path (one strided DMA per page, queued in one batched
-  driver call where the driver has it; cuda-python only),
-* ``per_call``: the same DMAs, one driver call each,
 * ``direct``: forced direct (one kernel on the pinned L2 pages in place; Triton only),
 
 each as GiB/s and as a ratio to ``pinned.copy_(device)`` (D2H) / ``device.copy_(pinned)``
@@ -150,7 +147,7 @@ def gpu(fn: Callable[[], Any], reps: int) -> float:
 
 
 class Setup:
-    """The pools, the engines (default, ring, copy, per_call, direct) and the plain copy buffers."""
+    """The pools, the engines (default, ring, direct) and the plain copy buffers."""
 
     def __init__(self, geometry: KVGeometry, top: int, device: str, backend: str) -> None:
         self.cuda = device.startswith("cuda")
@@ -165,14 +162,6 @@ class Setup:
         copy = TransferEngine(self.l1, self.l2, backend, copy_max_pages=1 << 30)  # type: ignore[arg-type]
         if copy.copy_usable:
             self.engines["copy"] = copy
-            # the same one DMA per page, one driver call each instead of one batch
-            self.engines["per_call"] = TransferEngine(
-                self.l1,
-                self.l2,
-                backend,  # type: ignore[arg-type]
-                copy_max_pages=1 << 30,
-                batch_rows=False,
-            )
         direct = TransferEngine(
             self.l1,
             self.l2,

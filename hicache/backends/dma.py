@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from hicache.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 try:  # optional: the layer-pipelined restore needs it, nothing else does
     from cuda.bindings import runtime as _rt
@@ -112,17 +108,21 @@ def copy_pages(
     rows: int,
     pairs: Sequence[tuple[int, int]],
     stream: Any,
-    *,
-    batched: bool = True,
 ) -> None:
     """One strided DMA per ``(dst_page, src_page)`` pair: ``rows`` rows of ``width`` bytes,
     page ``i`` of a side starting ``i * page`` bytes past its base and its rows ``pitch``
-    apart (direction by unified addressing), queued as :func:`copy_rows_batch` does. Between
-    the L1 pool (a page is one row per layer and K/V, a slab apart) and page-major L2 this
-    moves pages on the copy engine alone: no kernel, no workspace. ``stream`` None: a host
-    copy (CPU, for tests)."""
-    copies = [(dst + d * dpage, dpitch, src + s * spage, spitch, width, rows) for d, s in pairs]
-    copy_rows_batch(copies, stream, batched=batched)
+    apart (direction by unified addressing). Between the L1 pool (a page is one row per
+    layer and K/V, a slab apart) and page-major L2 this moves pages on the copy engine
+    alone: no kernel, no workspace. ``stream`` None: a host copy (CPU, for tests)."""
+    if stream is None:
+        for d, s in pairs:
+            copy_rows_host(dst + d * dpage, dpitch, src + s * spage, spitch, width, rows)
+        return
+    memcpy, handle = _rt.cudaMemcpy2DAsync, stream.cuda_stream
+    for d, s in pairs:
+        (err,) = memcpy(dst + d * dpage, dpitch, src + s * spage, spitch, width, rows, _ANY, handle)
+        if err != _OK:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed: {err!r}")
 
 
 def copy_raw(dst: int, src: int, nbytes: int, stream: Any) -> None:
@@ -184,97 +184,6 @@ def copy_batch(copies: Sequence[tuple[int, int, int]], stream: Any) -> None:
         _BATCH = None
     for dst, src, nbytes in copies:
         copy_raw(dst, src, nbytes, stream)
-
-
-# cuMemcpy3DBatchAsync (CUDA 12.8+): many strided copies in one driver call. A restore issues
-# one 2-D DMA per page (the copy path) or per row of a layer group (layered), dozens to
-# hundreds per transfer at several microseconds of host time each, with a gap on the copy
-# engine between calls; one batched call queues them all (bench/probes/row_batch.py).
-# The call takes an array of CUDA_MEMCPY3D_BATCH_OP (112 bytes, the layout below: checked
-# against cuda-python's own struct in tests/gpu/test_transfer_gpu.py) filled with numpy, and
-# goes through ctypes: cuda-python would take one Python object per copy.
-_OP = np.dtype(
-    {
-        "names": ["src_type", "src", "src_row", "src_height", "dst_type", "dst", "dst_row", "dst_height",
-                  "width", "height", "depth", "order"],
-        "formats": ["<u4", "<u8", "<u8", "<u8", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<u4"],
-        "offsets": [0, 8, 16, 24, 40, 48, 56, 64, 80, 88, 96, 104],
-        "itemsize": 112,
-    }
-)  # fmt: skip
-_POINTER = 1  # CU_MEMCPY_OPERAND_TYPE_POINTER
-_STREAM_ORDER = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-# The batch function as of CUDA 12.8 (its ABI: a failure index before the flags), whatever
-# the driver's version: cuGetProcAddress hands out the version asked for.
-_BATCH3D_FN = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_ulonglong, ctypes.c_void_p
-)
-_batch3d: Any = None  # resolved at first use; False where the driver lacks it or refused a batch
-Rows = tuple[int, int, int, int, int, int]  # dst, dst pitch, src, src pitch, bytes per row, rows
-
-
-def _resolve_batch3d() -> Any:
-    global _batch3d
-    if _batch3d is None:
-        _batch3d = False
-        if _drv is not None:
-            try:
-                flags = _drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-                out = _drv.cuGetProcAddress(b"cuMemcpy3DBatchAsync", 12080, flags)
-                if out[0] == _DRV_OK and int(out[1]):
-                    _batch3d = _BATCH3D_FN(int(out[1]))
-            except Exception:  # bindings without the symbol or the call: one call per copy
-                _batch3d = False
-    return _batch3d
-
-
-def rows_batch_usable() -> bool:
-    """Whether :func:`copy_rows_batch` can queue its copies in one driver call here."""
-    return bool(_resolve_batch3d()) if AVAILABLE and torch.cuda.is_available() else False
-
-
-def ops(copies: Sequence[Rows]) -> np.ndarray:
-    """The CUDA_MEMCPY3D_BATCH_OP array of ``copies`` (each a 2-D copy, depth 1)."""
-    a = np.asarray(copies, dtype=np.uint64).reshape(-1, 6)
-    out = np.zeros(len(a), dtype=_OP)
-    out["src_type"] = out["dst_type"] = _POINTER
-    out["dst"], out["dst_row"], out["src"], out["src_row"] = a[:, 0], a[:, 1], a[:, 2], a[:, 3]
-    out["width"], out["height"] = a[:, 4], a[:, 5]
-    out["src_height"] = out["dst_height"] = a[:, 5]
-    out["depth"] = 1
-    out["order"] = _STREAM_ORDER
-    return out
-
-
-def copy_rows_batch(copies: Sequence[Rows], stream: Any, *, batched: bool = True) -> None:
-    """``(dst, dpitch, src, spitch, width, rows)`` 2-D copies between device and pinned host
-    addresses (direction by unified addressing), queued on ``stream``: in one
-    ``cuMemcpy3DBatchAsync`` where the driver has it and ``batched`` (the copies may run in
-    any order among themselves, the batch as a whole in stream order), else one
-    ``cudaMemcpy2DAsync`` each. Empty copies are skipped. If the driver refuses a batch it
-    is not tried again (NOTE: a refused batch may have queued some of its copies; queuing
-    them again is harmless: same bytes to the same place, in stream order). ``stream``
-    None: host copies (CPU, for tests of the address arithmetic)."""
-    global _batch3d
-    if stream is None:
-        for dst, dpitch, src, spitch, width, rows in copies:
-            copy_rows_host(dst, dpitch, src, spitch, width, rows)
-        return
-    copies = [c for c in copies if c[4] and c[5]]
-    fn = _resolve_batch3d() if batched and len(copies) > 1 else None
-    if fn:
-        table = ops(copies)
-        failed = ctypes.c_size_t(0)
-        err = fn(len(copies), table.ctypes.data, ctypes.byref(failed), 0, stream.cuda_stream)
-        if err == 0:
-            return
-        log.warning("cuMemcpy3DBatchAsync refused %d copies (CUresult %d): one call each from now on", len(copies), err)
-        _batch3d = False
-    handle = stream.cuda_stream
-    for dst, dpitch, src, spitch, width, rows in copies:
-        (err,) = _rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, _ANY, handle)
-        if err != _OK:
-            raise RuntimeError(f"cudaMemcpy2DAsync failed: {err!r}")
 
 
 def new_stream(device: torch.device) -> Any:

@@ -375,7 +375,6 @@ class TransferEngine:
         d2d_runs: int = D2D_RUNS,
         d2d_min_bytes: int = D2D_MIN_BYTES,
         ring_head_pages: int | None = None,
-        batch_rows: bool = True,
     ) -> None:
         max_layer_group = MAX_LAYER_GROUP if max_layer_group is None else max_layer_group
         # the ends' defaults fit under a smaller largest group given alone
@@ -453,12 +452,6 @@ class TransferEngine:
         # NOTE: on CPU only when asked for, as the copy path (tests of the split)
         self.ring_head_pages = (RING_HEAD_PAGES if self.cuda else 0) if ring_head_pages is None else ring_head_pages
         self.fence_policy: FencePolicy = fences
-        if not isinstance(batch_rows, bool):
-            raise ConfigError(f"batch_rows must be a bool, got {batch_rows!r}")
-        # Strided DMAs of one page or one layer row each, queued in one driver call per
-        # transfer (or layer group) where the driver can (dma.copy_rows_batch); False: one
-        # call each (bench/transfer.py measures both).
-        self.batch_rows = batch_rows
         # NOTE: off by default: alone the split copy runs nearer the plain rate, but in the
         # engine the layered prefill ended behind the whole copy (docs/RESULTS.md, latency).
         self.split_layered = split_layered
@@ -1007,7 +1000,7 @@ class TransferEngine:
         l2 = (self.l2.slabs.data_ptr(), rows * width, width)
         (dst, dpage, dpitch), (src, spage, spitch) = (l2, l1) if d2h else (l1, l2)
         stream = self.stream if self.cuda else None
-        dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, stream, batched=self.batch_rows)
+        dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, stream)
 
     def _issue_copy(
         self,
@@ -1112,15 +1105,13 @@ class TransferEngine:
             timer[0].record(self.stream)
         try:
             for i, (lo, hi) in enumerate(self.layer_groups()):
-                dma.copy_rows_batch(
-                    [
-                        (dst + row * l1_row, slab, src + row * slab, l2_page, slab, count)
-                        for row in itertools.chain(range(lo, hi), range(layers + lo, layers + hi))
-                        for dst, src, count in plan
-                    ],
-                    self.stream if timer is not None else None,
-                    batched=self.batch_rows,
-                )
+                for row in itertools.chain(range(lo, hi), range(layers + lo, layers + hi)):
+                    for dst, src, count in plan:
+                        rows = (dst + row * l1_row, slab, src + row * slab, l2_page, slab, count)
+                        if timer is not None:
+                            dma.copy_rows_raw(*rows, self.stream)
+                        else:
+                            dma.copy_rows_host(*rows)
                 for event in {id(e): e for e in events[lo:hi]}.values():
                     self._record_layer(event, self.stream)
                 self._midway_after(i + 1)
@@ -1382,14 +1373,15 @@ class TransferEngine:
         slab = self._slab
         pitch = 2 * count * slab  # a page in the slot
         l1_at, l1_row, out = self.l1.slabs.data_ptr(), self.l1.num_pages * slab, ring.at(k)
-        copies = []
         for first, end in _clip(l1_runs, a, b):
             dst, src = l1_at + l1_pages[first] * slab, out + (first - a) * pitch
             for kv in (0, 1):
                 for i in range(count):
-                    at = dst + (kv * g.num_layers + lo + i) * l1_row
-                    copies.append((at, slab, src + (kv * count + i) * slab, pitch, slab, end - first))
-        dma.copy_rows_batch(copies, stream if self.cuda else None, batched=self.batch_rows)
+                    rows = (dst + (kv * g.num_layers + lo + i) * l1_row, slab, src + (kv * count + i) * slab)
+                    if self.cuda:
+                        dma.copy_rows_device(*rows, pitch, slab, end - first, stream)
+                    else:
+                        dma.copy_rows_host(*rows, pitch, slab, end - first)
 
     def _layer_dmas(
         self,
@@ -1410,19 +1402,14 @@ class TransferEngine:
         base = self.l2.slabs.data_ptr()
         # NOTE: the DMAs go by address (L2 is pinned, checked at planning): per-copy checks of
         # views cost more host time than the copies' enqueue, and the forward launches after it.
-        copies = [
-            (
-                out + (first - a) * dpitch + kv * count * slab,
-                dpitch,
-                base + l2_pages[first] * pitch + (kv * g.num_layers + lo) * slab,
-                pitch,
-                count * slab,
-                end - first,
-            )
-            for first, end in runs
-            for kv in (0, 1)
-        ]
-        dma.copy_rows_batch(copies, self.stream if self.cuda else None, batched=self.batch_rows)
+        for first, end in runs:
+            for kv in (0, 1):
+                dst = out + (first - a) * dpitch + kv * count * slab
+                src = base + l2_pages[first] * pitch + (kv * g.num_layers + lo) * slab
+                if self.cuda:
+                    dma.copy_rows_raw(dst, dpitch, src, pitch, count * slab, end - first, self.stream)
+                else:
+                    dma.copy_rows_host(dst, dpitch, src, pitch, count * slab, end - first)
 
     def _load_in_place(self, l2_ids: torch.Tensor, ids: torch.Tensor, layers: tuple[int, int]) -> bool:
         """Layers of fragmented pages straight from L2 (zero-copy); False after a Triton
@@ -1499,7 +1486,6 @@ class TransferEngine:
             "d2d_runs": self.d2d_runs,
             "d2d_min_bytes": self.d2d_min_bytes,
             "d2d": self.d2d,
-            "batch_rows": self.batch_rows and (dma.rows_batch_usable() if self.cuda else True),
             "device": str(self.l1.device),
         }
 
