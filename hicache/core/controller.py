@@ -106,6 +106,9 @@ class Request:
     lease: Lease | None = None
     private: list[DevicePage] = field(default_factory=list)
     restore: PendingRestore | None = None
+    # write_through_selective: the L1 prefix that reached its hits at admission, backed up
+    # once the request inserts or releases (admit says why)
+    selective: Node | None = None
 
     @property
     def hit(self) -> tuple[int, int, int]:
@@ -292,7 +295,15 @@ class Controller:
             node = req.lease.node
             node.hits += 1
             if node.hits >= self.selective_hits:
-                self._backup(node)
+                n1, n2, n3 = req.match.lengths  # NOTE: after _discover: a shared store's pages too
+                if self.storage is not None and self.storage.available and n3 > max(n1, n2):
+                    # NOTE: an L2 copy needs its parent's (tiers are prefix-closed): a D2H of
+                    # this L1 prefix begun now would refuse the request's own L3 restore of
+                    # the pages below it, which reads them into L2 under it. Later, that
+                    # restore has put the prefix in L2, or the backup starts unhindered.
+                    req.selective = node
+                else:
+                    self._backup(node)
         return req
 
     def _discover(self, req: Request, at_most: int) -> None:
@@ -407,6 +418,7 @@ class Controller:
             raise MisuseError(f"insert needs {need} pages for tokens [{req.cached_len}, {aligned}), got {len(own)}")
         if need == 0:
             self._move(req, ReqEvent.INSERT, "insert")
+            self._selective_backup(req)
             return req.cached_len
         before = req.cached_len
         result = self.core.adopt(req.tokens[:aligned], [*req.pages, *own[:need]], len(req.pages))
@@ -424,6 +436,7 @@ class Controller:
         gone = set(covered)
         req.private = [p for p in req.private if p not in gone]
         self.metrics.recomputed_tokens += aligned - before
+        self._selective_backup(req)
         if self.write_policy is WritePolicy.WRITE_THROUGH and result.node.parent is not None:
             self._backup(result.node)
         elif self.write_policy is WritePolicy.SELECTIVE and set(result.rejected) & set(covered):
@@ -478,6 +491,7 @@ class Controller:
             self.core.release(req.lease)
             req.lease = None
         req.pages = []
+        self._selective_backup(req)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Teach the recompute model: ``tokens`` new tokens were prefilled in ``seconds``."""
@@ -807,6 +821,12 @@ class Controller:
                 break  # NOTE: cannot happen (nothing else runs); never loop on it
             core.evict_node(victim, Tier.L1)
         return core.l1.num_free >= n
+
+    def _selective_backup(self, req: Request) -> None:
+        """The backup ``admit`` put off for ``req`` (write_through_selective), if any."""
+        node, req.selective = req.selective, None
+        if node is not None:
+            self._backup(node)
 
     def _backup(self, node: Node) -> None:
         """Write ``node``'s path through to L2 (then L3), or defer it while a transfer above

@@ -736,3 +736,26 @@ def test_running_out_of_descriptors_at_open_deletes_no_page(tmp_path: Path, monk
     s = dir_store(tmp_path)
     assert s.exists(KEYS[:2]) == 2
     s.close()
+
+
+@pytest.mark.parametrize("damage", ["binary", "text", "empty", "directory"])
+def test_a_damaged_format_file_is_refused_in_a_short_line(tmp_path: Path, damage: str) -> None:
+    """A FORMAT file that is not a hicache store's (a page copied over it, a user's text, an
+    empty file, a directory in its place) is refused as such, in one short line that quotes
+    none of its bytes; the store is left as it was."""
+    store = tmp_path / "l3"
+    dir_store(store).close()
+    fmt = store / "FORMAT"
+    junk = {"binary": bytes(range(256)) * 40, "text": b"my notes\nline two\n", "empty": b""}
+    if damage == "directory":
+        fmt.unlink()
+        fmt.mkdir()
+    else:
+        fmt.write_bytes(junk[damage])
+    before = sorted(p.name for p in store.iterdir())
+    with pytest.raises(ConfigError, match=r"FORMAT (is a directory|file is not a hicache store's)") as bad:
+        dir_store(store)
+    message = str(bad.value)
+    assert "\n" not in message and len(message) < 200 + len(str(store))
+    assert "my notes" not in message and "\\x" not in message
+    assert sorted(p.name for p in store.iterdir()) == before

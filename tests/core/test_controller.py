@@ -493,3 +493,42 @@ def test_a_prompt_backed_up_in_two_jobs_keeps_its_head_in_a_smaller_dir_store(tm
     assert torch.equal(again.l1.buffer[:, :, again.prefix_pages(req)], kv_head)
     again.release(req)
     again.close()
+
+
+@pytest.mark.parametrize("leave", ["release", "insert"])
+def test_a_selective_backup_put_off_at_admission_is_made_when_the_request_leaves(leave: str) -> None:
+    """write_through_selective: the backup of an L1 prefix reaching its hits is put off at an
+    admission that could restore more from L3 (a D2H begun then would refuse that restore:
+    an L2 copy needs its parent's), and made when the request inserts or releases."""
+    c = make(write_policy="write_through_selective", selective_hits=2, l1_pages=16, l2_pages=16, l3_pages=32)
+    long, short = list(range(16)), list(range(8))
+    cached(c, long)
+    assert c.flush() >= 1  # the whole prompt on disk
+    evict_all(c, Tier.L1, Tier.L2)
+    req = c.admit(short)  # recomputed (not restored): the prefix in L1 and L3, not L2
+    pages = c.allocate(req, len(short) // G.page_size)
+    assert pages is not None
+    c.insert(req, pages)
+    c.release(req)
+    assert c.core.match(long).lengths == (8, 0, 16)
+    c.release(c.admit(long))  # the first hit
+    req = c.admit(long)  # the second: an L3 restore of [8, 16) may follow
+
+    def put_off() -> object:
+        return req.selective
+
+    assert put_off() is not None
+    drain(c)
+    assert c.core.match(short).lengths[1] == 0  # not begun at admission
+    if leave == "insert":
+        more = c.allocate(req, (len(long) - req.cached_len) // G.page_size)
+        assert more is not None
+        c.insert(req, more)
+        drain(c)
+        assert put_off() is None and c.core.match(short).lengths[1] == 8  # made at insert
+    c.release(req)
+    drain(c)
+    assert put_off() is None
+    assert c.core.match(short).lengths[1] == 8
+    c.check_integrity()
+    c.close()

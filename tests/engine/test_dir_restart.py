@@ -106,3 +106,38 @@ def test_an_engine_killed_while_writing_leaves_nothing_torn(tmp_path: Path) -> N
         assert got["fp"] == want["fp"]  # restored pages are the bytes a computation gives
     storage = after["storage"]
     assert isinstance(storage, dict) and storage["dropped_corrupt"] == 0
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_a_prefix_hit_again_does_not_refuse_the_restore_of_the_pages_below_it(tmp_path: Path, policy: str) -> None:
+    """After a restart, a prompt whose first pages are in L1 (hit a second time: the
+    selective policy's threshold) and whose next pages are on disk only restores them from
+    L3. A backup of the L1 pages begun at that admission would hold them out of L2, where
+    the restore must read the pages below (an L2 copy needs its parent's), and the restore
+    would be refused: the request recomputed half its prompt under write_through_selective."""
+    from hicache.engine import Engine
+
+    rng = __import__("random").Random(5)
+    base = [rng.randrange(512) for _ in range(24)]
+
+    def engine() -> Engine:
+        return Engine("tiny", device="cpu", page_size=4, num_pages=16, enable_hicache=True, l2_pages=16,
+                      l3_pages=128, storage_backend="dir", storage_path=str(tmp_path), policy="always",
+                      write_policy=policy, transfer_backend="torch")  # fmt: skip
+
+    e = engine()
+    want = e.generate(base, 3).tokens
+    e.close()
+    e = engine()
+    try:
+        for n in (8, 9):
+            e.generate(base[:n], 3)  # base's first two pages back in L1, then hit again
+        before = e.cache.status().metrics["fallbacks"]
+        out = e.generate(base, 3)
+        assert (out.restored_from, out.restore_failed, out.cached_tokens) == ("L3", False, 20)
+        assert e.cache.status().metrics["fallbacks"] == before
+        assert out.tokens == want
+        e.cache.drain()
+        e.cache.check_integrity()
+    finally:
+        e.close()

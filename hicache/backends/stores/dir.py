@@ -154,9 +154,22 @@ class DirStore:
             os.fsync(self.dirfd)
             return
         try:
-            have = os.read(fd, 4096).decode(errors="replace")
+            raw = os.read(fd, 4096)
+        except IsADirectoryError:
+            raise ConfigError(
+                f"L3 directory {self.path}: its FORMAT is a directory, not a hicache store's format file; "
+                "give another directory"
+            ) from None
         finally:
             os.close(fd)
+        have = raw.decode(errors="replace")
+        if have != want and not (have.startswith("hicache-dir-store ") and have.replace("\n", "").isprintable()):
+            # NOTE: say what it is, not what it holds: a damaged or foreign file's bytes are noise
+            raise ConfigError(
+                f"L3 directory {self.path}: its FORMAT file is not a hicache store's ({len(raw)}"
+                f"{'+' if len(raw) == 4096 else ''} bytes{'' if have.isprintable() else ', not text'}); "
+                "give another directory"
+            )
         if have != want:
             said = "; ".join(have.split("\n")).strip("; ")[:200]  # one line, whatever the file holds
             need = "; ".join(want.split("\n")).strip("; ")
