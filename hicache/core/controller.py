@@ -576,6 +576,8 @@ class Controller:
     def _commit(self, restore: PendingRestore, layer_events: Sequence[Any] | None) -> bool:
         req, plan, core = restore.request, restore.plan, self.core
         m = req.match[plan.tier]
+        if plan.tier is Tier.L3:
+            self._await_backups_above(m.node)
         try:
             m = core.trim(TierMatch(m.tier, plan.tokens, m.node, m.version))
         except HandleError:
@@ -599,6 +601,24 @@ class Controller:
             return False
         self._move(req, ReqEvent.START_L2 if direction is Direction.H2D else ReqEvent.START_L3, "restore")
         return True
+
+    def _await_backups_above(self, node: Node) -> None:
+        """An L3 restore reads its pages into L2 under their parent's L2 copy (tiers are
+        prefix-closed), so a backup of a run above it still copying to L2 would refuse it,
+        and the request would recompute every page below. Wait for such backups to land
+        instead: device copies of pages in L1, short and bounded (no storage I/O is waited
+        for). write_through_selective starts them at any admission that hits the run."""
+        if not node.alive:
+            return
+        waited = False
+        for n in self.core.segment(Direction.S2H, node):
+            t = n.inflight[Direction.D2H]
+            job = None if t is None else self._jobs.get(t.id)
+            if job is not None:
+                self._landed(job, block=True)
+                waited = True
+        if waited:
+            self._collect()
 
     def restore(self, req: Request, plan: Plan | None = None) -> bool:
         """Blocking restore (engines without an overlap loop). True if ``cached_len`` grew."""

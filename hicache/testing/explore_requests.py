@@ -250,9 +250,10 @@ class RequestSystem:
         stamps -> ranks per tier, transfers -> queue positions, free lists, contents of
         pages in use), plus each live request (sequence, state, cached_len, pages, private
         pages, decode page, lease, its admission match while admitted, its restore's plan,
-        source lease, transfer and layered pages), each job's owner, each queued copy's
-        progress, and the controller's deferred backups and lost runs. Left out: ids,
-        clocks, versions (but whether a held match is still fresh), metrics, coverage.
+        source lease, transfer and layered pages, the backup it put off), each job's owner,
+        each queued copy's progress, and the controller's deferred backups and lost runs.
+        Left out: ids, clocks, versions (but whether a held match is still fresh), metrics,
+        coverage.
         """
         c, core = self.controller, self.core
         tree = core.tree
@@ -332,6 +333,7 @@ class RequestSystem:
                     lease(r.lease),
                     match,
                     restore,
+                    None if r.selective is None else (path.get(r.selective.id), r.selective.alive),
                 )
             )
         owner = {id(r): i for i, r in self.live.items()}

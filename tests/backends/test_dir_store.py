@@ -738,7 +738,7 @@ def test_running_out_of_descriptors_at_open_deletes_no_page(tmp_path: Path, monk
     s.close()
 
 
-@pytest.mark.parametrize("damage", ["binary", "text", "empty", "directory"])
+@pytest.mark.parametrize("damage", ["binary", "text", "empty", "directory", "header then bytes"])
 def test_a_damaged_format_file_is_refused_in_a_short_line(tmp_path: Path, damage: str) -> None:
     """A FORMAT file that is not a hicache store's (a page copied over it, a user's text, an
     empty file, a directory in its place) is refused as such, in one short line that quotes
@@ -746,7 +746,12 @@ def test_a_damaged_format_file_is_refused_in_a_short_line(tmp_path: Path, damage
     store = tmp_path / "l3"
     dir_store(store).close()
     fmt = store / "FORMAT"
-    junk = {"binary": bytes(range(256)) * 40, "text": b"my notes\nline two\n", "empty": b""}
+    junk = {
+        "binary": bytes(range(256)) * 40,
+        "text": b"my notes\nline two\n",
+        "empty": b"",
+        "header then bytes": b"hicache-dir-store 1\n" + b"\xff\xfe" * 300,
+    }
     if damage == "directory":
         fmt.unlink()
         fmt.mkdir()
@@ -756,6 +761,10 @@ def test_a_damaged_format_file_is_refused_in_a_short_line(tmp_path: Path, damage
     with pytest.raises(ConfigError, match=r"FORMAT (is a directory|file is not a hicache store's)") as bad:
         dir_store(store)
     message = str(bad.value)
-    assert "\n" not in message and len(message) < 200 + len(str(store))
+    assert "\n" not in message and len(message) < 150 + len(str(store))
     assert "my notes" not in message and "\\x" not in message
+    assert message.endswith(
+        {"binary": "(4096+ bytes, not text); give another directory", "text": "(18 bytes); give another directory",
+         "empty": "(0 bytes); give another directory"}.get(damage, "give another directory")
+    )  # fmt: skip
     assert sorted(p.name for p in store.iterdir()) == before

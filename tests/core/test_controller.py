@@ -532,3 +532,42 @@ def test_a_selective_backup_put_off_at_admission_is_made_when_the_request_leaves
     assert c.core.match(short).lengths[1] == 8
     c.check_integrity()
     c.close()
+
+
+@pytest.mark.parametrize("other", ["short", "long released"])
+def test_an_l3_restore_waits_for_a_backup_above_it_instead_of_being_refused(other: str) -> None:
+    """Another request's admission hits the L1 prefix too (write_through_selective: the
+    third hit) and starts its backup to L2 at once, or leaves and makes its own put-off one.
+    The first request's L3 restore of the pages below must read them into L2 under that
+    prefix's L2 copy: it waits for the backup to land and restores, where it was refused and
+    the request recomputed half its prompt."""
+    c = make(write_policy="write_through_selective", selective_hits=2, l1_pages=16, l2_pages=16, l3_pages=32)
+    long, short = list(range(16)), list(range(8))
+    kv = cached(c, long)
+    assert c.flush() >= 1
+    evict_all(c, Tier.L1, Tier.L2)
+    req = c.admit(short)
+    pages = c.allocate(req, len(short) // G.page_size)
+    assert pages is not None
+    c.l1.buffer[:, :, pages] = kv[:, :, : len(pages)]
+    c.insert(req, pages)
+    c.release(req)
+    c.release(c.admit(long))  # the first hit
+    req = c.admit(long)  # the second: its own backup put off
+    if other == "short":
+        second = c.admit(short)  # nothing below it in L3: backed up at once
+    else:
+        c.release(c.admit(long))  # leaves first: its put-off backup starts as it goes
+    assert c.status().pending_backups == 1
+    before = c.metrics.fallbacks
+    restore = c.start_restore(req, c.plan(req))
+    assert restore is not None and c.metrics.fallbacks == before
+    drain(c)
+    assert req.cached_len == len(long)
+    assert torch.equal(c.l1.buffer[:, :, c.prefix_pages(req)], kv)
+    if other == "short":
+        c.release(second)
+    c.release(req)
+    drain(c)
+    c.check_integrity()
+    c.close()

@@ -163,12 +163,12 @@ class DirStore:
         finally:
             os.close(fd)
         have = raw.decode(errors="replace")
-        if have != want and not (have.startswith("hicache-dir-store ") and have.replace("\n", "").isprintable()):
+        text = have.isascii() and have.replace("\n", "").isprintable()  # our format's lines, as we write them
+        if have != want and not (text and have.startswith("hicache-dir-store ")):
             # NOTE: say what it is, not what it holds: a damaged or foreign file's bytes are noise
             raise ConfigError(
                 f"L3 directory {self.path}: its FORMAT file is not a hicache store's ({len(raw)}"
-                f"{'+' if len(raw) == 4096 else ''} bytes{'' if have.isprintable() else ', not text'}); "
-                "give another directory"
+                f"{'+' if len(raw) == 4096 else ''} bytes{'' if text else ', not text'}); give another directory"
             )
         if have != want:
             said = "; ".join(have.split("\n")).strip("; ")[:200]  # one line, whatever the file holds
