@@ -19,7 +19,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections import OrderedDict
@@ -29,7 +28,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Literal
 
-from common import at_least, guarded, out_dir, tag_name
+from common import at_least, git_commit, guarded, out_dir, tag_name
 from tqdm import tqdm
 
 from hicache.engine.cli import ArgParser
@@ -385,16 +384,6 @@ def simulate(
 # -- the run ----------------------------------------------------------------------------------
 
 
-def _git_commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
 def plot(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -454,7 +443,7 @@ def run(
             rows.append({"instances": n, "l3": mode, **tally.summary()})
     meta = {
         "date": date.today().isoformat(),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit() or "unknown",
         "seed": workload.seed,
         "instances": list(instances),
         "workload": asdict(workload),

@@ -10,7 +10,7 @@
 #   micro    transfer.py and storage.py (L1<->L2 and L3 bandwidth)           (~2 min)
 #   soak     soak.py under faults and aborts for SOAK_MINUTES (default 5)
 # Settings: OUT (default /tmp/hicache-gpu), MODEL (default qwen3-8b), SOAK_MODEL (qwen3-4b),
-# REPEATS (3). Wheels under .whl/ (e.g. cuda-bindings) are installed first: the GPU machine
+# REPEATS (3), HICACHE_BENCH_COMMIT (the commit the JSON names; set it where the copy's git is stale). Wheels under .whl/ (e.g. cuda-bindings) are installed first: the GPU machine
 # has no package index. Each phase has a time limit, so a hang still leaves the others' files.
 set -uo pipefail
 OUT=${OUT:-/tmp/hicache-gpu}

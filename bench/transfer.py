@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from datetime import date
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import at_least, between, guarded, out_dir, tag_name, torch_device
+from common import at_least, between, git_commit, guarded, out_dir, tag_name, torch_device
 
 from hicache.backends import kernels
 from hicache.backends.pools import DevicePool, HostPool
@@ -275,15 +274,7 @@ def direct_up_to(rows: list[dict[str, Any]]) -> int | None:
 
 
 def meta_of(s: Setup, device: str) -> dict[str, Any]:
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-        except OSError:
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
+    commit = git_commit()
     try:
         import triton
 
@@ -296,8 +287,8 @@ def meta_of(s: Setup, device: str) -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if s.cuda else "CPU",
         "torch": torch.__version__,
         "triton": triton_version,
-        "commit": git("rev-parse", "HEAD") or "unknown",
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "commit": (commit or "unknown").removesuffix("+dirty"),
+        "dirty": bool(commit and commit.endswith("+dirty")),
         "geometry": f"{g.num_layers} layers, {g.num_kv_heads} KV heads, head dim {g.head_dim}, {g.dtype}, "
         f"page size {g.page_size}",
         "bytes_per_page": g.bytes_per_page,
