@@ -3,7 +3,8 @@
 No model runs (the "prefill" writes random KV); two prefixes alternate so every request
 restores from L2 (``--tier l3``: L2 holds one prefix, so every request restores from L3).
 Prints the median host milliseconds per call and the bytes moved; ``--profile N`` also
-prints the N functions with the most own time inside the timed calls (cProfile).
+prints the N functions with the most own time inside the timed calls (cProfile; ``--sort
+cumulative``: the most time inside them).
 
     python bench/probes/bookkeeping.py --prefix-tokens 3500 [--tier l3] [--profile 25]
 """
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--tier", choices=["l2", "l3"], default="l2")
-    ap.add_argument("--profile", type=int, default=0, help="print this many functions by own time")
+    ap.add_argument("--profile", type=int, default=0, help="print this many functions (--sort: by own time)")
+    ap.add_argument("--sort", choices=["tottime", "cumulative"], default="tottime", help="the profile's order")
     ap.add_argument(
         "--kv",
         choices=["qwen3-8b", "tiny"],
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     print("  H2D enqueue ms (mean):", round(m["H2D"].enqueue_s / max(1, m["H2D"].count) * 1e3, 3))
     print("  D2H enqueue ms (mean):", round(m["D2H"].enqueue_s / max(1, m["D2H"].count) * 1e3, 3))
     if profiler is not None:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(args.profile)
     cache.close()
 
 

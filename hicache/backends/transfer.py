@@ -413,6 +413,18 @@ class TransferEngine:
         if backend == "triton" and not self.triton_usable:
             raise ConfigError("transfer backend 'triton' needs triton and a CUDA device (or TRITON_INTERPRET=1)")
         self.stream: Any = _Stream(device=l1.device) if self.cuda else None
+        index: int | None = l1.device.index  # None: the current device, where the pool was made
+        self._device = torch.cuda.current_device() if self.cuda and index is None else index
+        self._caller: Any = _Event() if self.cuda else None  # _wait_caller's
+        # a page's rows in each pool, for _copy_pairs: (base, page step, row pitch) of L1 and
+        # of L2, the row width and the row count (the pools never move: _transfer checks L1's)
+        width, rows = self._slab, 2 * g.num_layers
+        self._page_rows = (
+            (l1.slabs.data_ptr(), width, l1.num_pages * width),
+            (l2.slabs.data_ptr(), rows * width, width),
+            width,
+            rows,
+        )
         self._kernel_stream: Any = None
         self.faults = faults or FaultInjector()
         # Fragmented L2 pages: one DMA per run of consecutive pages when runs average at
@@ -721,7 +733,8 @@ class TransferEngine:
         if n == 0:
             ticket.finish_now(True)
             return ticket
-        self.flush()  # NOTE: a deferred H2D queues before any later transfer (stream, slots, ids)
+        if self._pending:
+            self.flush()  # NOTE: a deferred H2D queues before any later transfer (stream, slots, ids)
         src_fences, dst_fences = (self.l1.fences, self.l2.fences) if d2h else (self.l2.fences, self.l1.fences)
         self._order(src_fences, src, write=False)  # NOTE: may raise; nothing has changed yet
         self._order(dst_fences, dst, write=True)
@@ -993,14 +1006,9 @@ class TransferEngine:
     def _copy_pairs(self, d2h: bool, pairs: Sequence[tuple[int, int]]) -> None:
         """One strided DMA per ``(destination, source)`` page pair between L1 and L2, on the
         transfer stream (CPU: at once); L2 pages first in a D2H's pairs, L1 pages in an H2D's."""
-        g = self.geometry
-        width = g.page_elements * self.l1.buffer.element_size()
-        rows = 2 * g.num_layers
-        l1 = (self.l1.slabs.data_ptr(), width, self.l1.num_pages * width)  # base, page step, row pitch
-        l2 = (self.l2.slabs.data_ptr(), rows * width, width)
+        l1, l2, width, rows = self._page_rows
         (dst, dpage, dpitch), (src, spage, spitch) = (l2, l1) if d2h else (l1, l2)
-        stream = self.stream if self.cuda else None
-        dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, stream)
+        dma.copy_pages(dst, dpage, dpitch, src, spage, spitch, width, rows, pairs, self.stream)
 
     def _issue_copy(
         self,
@@ -1153,8 +1161,14 @@ class TransferEngine:
     # -- stream order: each wait has a GPU test that fails without it ------------------------
 
     def _wait_caller(self) -> None:
-        """The transfer stream waits for the caller's current stream (module docstring)."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.l1.device))
+        """The transfer stream waits for the caller's current stream (module docstring).
+
+        NOTE: through one event of the engine's, recorded again each time (a wait holds the
+        record made before it): ``Stream.wait_stream`` makes and frees a CUDA event per call,
+        a fair part of a one-page transfer's host time."""
+        caller = self._caller
+        caller.record(torch.cuda.current_stream(self._device))
+        self.stream.wait_event(caller)
 
     def _wait_join(self, waiter: Any, other: Any) -> None:
         """``waiter`` (the kernel stream) starts behind everything queued on ``other``."""
