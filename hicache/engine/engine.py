@@ -52,6 +52,7 @@ from hicache.backends.transfer import TransferBackend
 from hicache.core.controller import PendingRestore, Request, WritePolicy
 from hicache.core.cost import CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage
+from hicache.core.interrupts import atomic
 from hicache.core.tokens import Tokens, as_tokens, bounds, plain_int
 from hicache.engine.model import (
     AttentionImpl,
@@ -463,12 +464,21 @@ class Engine:
         if seq.req is not None and not seq.req.released:
             self.cache.release(seq.req)
 
+    @atomic
     def _requeue(self, seq: _Seq) -> None:
         """Give back what ``seq`` holds and put it first in line again; no other request is
         admitted until one of those in flight prefills or decodes, or all have left (each
         such step serves, decodes, requeues or ends one, so a lone request that still cannot
-        fit fails: it never fits)."""
+        fit fails: it never fits).
+
+        NOTE: Ctrl-C is held until it returns (between forgetting ``seq`` and queuing it
+        again the request is in neither place); an exception out of ``_drop`` leaves ``seq``
+        active with its cache request released, which :meth:`_tidy` requeues."""
         self._drop(seq)
+        self._requeued(seq)
+
+    def _requeued(self, seq: _Seq) -> None:
+        """``seq``, whose cache request is given back, first in line again."""
         del self._active[seq.id]
         self._waiting.appendleft(_Seq(seq.id, seq.prompt, seq.max_new, seq.arrived))
         self._admission_held = True
@@ -508,9 +518,10 @@ class Engine:
     def _tidy(self) -> None:
         """After an exception escaped a step or an abort: finish the requests that have all
         their tokens and forget those whose Output is out (an interrupt on their way out:
-        decoded again, they would get one token too many or a second Output), then release
-        every cache request no active request holds (one admitted but not yet kept, or one
-        whose request was forgotten before its release)."""
+        decoded again, they would get one token too many or a second Output), queue again
+        those whose requeue it cut short, then release every cache request no active request
+        holds (one admitted but not yet kept, or one whose request was forgotten before its
+        release)."""
         self._interrupted = True
         active = list(self._active.values())
         done = [s for s in active if s.emitted or (s.state is SeqState.DECODING and len(s.out) >= s.max_new)]
@@ -523,6 +534,8 @@ class Engine:
                 self._drop(seq)
             except HiCacheError as failure:  # NOTE: the exception that escaped is what the caller hears
                 log.warning("hicache engine: giving back request %d after an interrupt failed: %r", seq.id, failure)
+        for seq in [s for s in self._active.values() if s.req is not None and s.req.released]:
+            self._requeued(seq)  # cut short in _requeue, its pages already given back
         held = {id(s.req) for s in self._active.values() if s.req is not None}
         for req in self.cache.requests():
             if id(req) not in held:

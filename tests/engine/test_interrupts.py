@@ -175,3 +175,73 @@ def test_out_of_memory_while_pages_go_to_the_tree_fails_the_request_once() -> No
         assert e.generate(PROMPTS[0], max_new_tokens=3).tokens == reference()[tuple(PROMPTS[0])]
     finally:
         e.close()
+
+
+def _requeue_scene() -> tuple[Engine, list[list[int]]]:
+    """An L1-only engine whose two prefixes, both cached, fill it: of two requests on them,
+    the first admitted cannot allocate beside the other's pins and is requeued."""
+    import random
+
+    rng = random.Random(0)
+    heads = [[rng.randrange(512) for _ in range(64)] for _ in range(2)]
+    e = Engine("tiny", device="cpu", num_pages=10, max_batch=2)
+    for h in heads:
+        e.generate(h, max_new_tokens=1)
+    return e, [h + [i + 1] * 40 for i, h in enumerate(heads)]
+
+
+@pytest.mark.parametrize("how", ["exception", "signal"])
+def test_an_interrupt_while_a_request_is_requeued_loses_nothing(how: str) -> None:
+    """Ctrl-C as a requeue gives a request's pages back: the request is served at a later
+    call, once, with the tokens of a recompute. As a real SIGINT where the request is
+    neither active nor queued (held until the requeue ends), or as an exception out of the
+    giving back, its cache request released and the request still active (the step's
+    tidy-up queues it again)."""
+    import collections
+    import signal
+    import sys
+
+    e, prompts = _requeue_scene()
+    ref = Engine("tiny", device="cpu", num_pages=64, net=e.net)
+    try:
+        want = {tuple(p): ref.generate(p, max_new_tokens=8).tokens for p in prompts}
+        fired: list[int] = []
+        if how == "signal":
+
+            class Waiting(collections.deque):  # type: ignore[type-arg]
+                def appendleft(self, seq: Any) -> None:
+                    if not fired and sys._getframe(1).f_code.co_name == "_requeued":
+                        fired.append(seq.id)
+                        signal.raise_signal(signal.SIGINT)  # the request is in neither place
+                    super().appendleft(seq)
+
+            e._waiting = Waiting(e._waiting)
+        else:
+            real = e._drop
+
+            def drop(seq: Any) -> None:
+                real(seq)
+                if not fired and sys._getframe(1).f_code.co_name == "_requeue":
+                    fired.append(seq.id)
+                    raise Interrupt("_drop")
+
+            e._drop = drop  # type: ignore[method-assign]
+        ids = {e.submit(p, max_new_tokens=8): tuple(p) for p in prompts}
+        outs: list[Any] = []
+        caught = 0
+        for _ in range(200):
+            try:
+                outs.extend(e.step())
+            except KeyboardInterrupt:
+                caught += 1
+            if not e.pending:
+                break
+        assert fired and caught == 1
+        assert sorted(o.id for o in outs) == sorted(ids)  # each request finished exactly once
+        for o in outs:
+            assert o.error is None, o.error
+            assert o.tokens == want[ids[o.id]]
+        check_clean(e)
+    finally:
+        ref.close()
+        e.close()
