@@ -840,3 +840,46 @@ def test_pools_that_fit_alone_but_not_together_on_a_cpu_are_a_flag_error(capsys:
         f"error: --hicache-ratio 1: cannot allocate the L2 pool: L2 pages {pages} x --page-size 16 tokens = "
         f"{gib:.4g} GiB: more than this machine's host memory ({HOST_GIB:.1f} GiB) beside the L1 pool's {gib:.4g} GiB"
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "unbuffered"), [(["--json"], False), ([], True)], ids=["json-buffered", "summary-unbuffered"]
+)
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_stdout_that_cannot_be_written_is_one_line_and_exit_1(flags: list[str], unbuffered: bool) -> None:
+    """A full disk under stdout: one ``error:`` line and 1, not a traceback (nor Python's
+    "Exception ignored" and 120 from its flush at exit)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    with open("/dev/full", "w") as full:
+        run = subprocess.run(
+            [sys.executable, "-m", "hicache.engine", "--requests", "2", "--prefix-tokens", "40", *flags],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr
+    assert run.stderr.splitlines()[-1] == "error: cannot write the output: No space left on device"
+
+
+def test_a_reader_that_leaves_ends_the_run_quietly_with_141() -> None:
+    """``| head``: once the reader of stdout left, the run ends with 141, as a SIGPIPE would,
+    and says nothing about a broken pipe."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicache.engine", "--requests", "2", "--prefix-tokens", "40", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    try:
+        err = proc.stderr.read()
+        assert proc.wait(timeout=300) == 141, err
+    finally:
+        proc.kill()
+    assert "Traceback" not in err and "Broken pipe" not in err and "error:" not in err, err

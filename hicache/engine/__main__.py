@@ -6,7 +6,8 @@ Request i is prefix i mod --prefixes plus a random suffix; --concurrency request
 flight at once. The workload depends only on the flags and --seed (its digest is printed).
 Throughput and TTFT count served requests only; failed ones are listed by reason. Which
 tier served a request, and whether it found room, can vary between runs: restores finish
-asynchronously. Exit status: 0, 1 when every request failed, 2 on a bad flag.
+asynchronously. Exit status: 0, 1 when every request failed (or stdout could not be
+written), 2 on a bad flag, 130 on Ctrl-C, 141 when the reader of stdout left (``| head``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import random
 import sys
 import time
 from collections import Counter
+from typing import Any, TextIO
 
 import xxhash
 
@@ -231,5 +234,55 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class OutputLost(Exception):
+    """Writing stdout failed (its reader left, or its disk is full); the cause is the OSError."""
+
+
+class _Stdout:
+    """``sys.stdout`` whose write errors are :class:`OutputLost`: told apart from any other
+    OSError (a store's, a port's), which is not the output's."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as exc:
+            raise OutputLost(exc) from exc
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as exc:
+            raise OutputLost(exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """:func:`main`, with a failure to write stdout as one line and exit 1, or, where the
+    reader of a pipe left (``| head``), a quiet exit 141 (as a SIGPIPE would end it)."""
+    stdout = sys.stdout
+    sys.stdout = _Stdout(stdout)
+    try:
+        code = main(argv)
+        sys.stdout.flush()  # NOTE: here, not at exit, where a failure is only "Exception ignored"
+        return code
+    except OutputLost as lost:
+        error = lost.__cause__
+        # NOTE: what is still buffered goes nowhere: the interpreter's flush at exit cannot fail
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        if isinstance(error, BrokenPipeError):
+            return 141
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        print(f"error: cannot write the output: {reason}", file=sys.stderr)
+        return 1
+    finally:
+        sys.stdout = stdout
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
