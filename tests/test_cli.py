@@ -883,3 +883,22 @@ def test_a_reader_that_leaves_ends_the_run_quietly_with_141() -> None:
     finally:
         proc.kill()
     assert "Traceback" not in err and "Broken pipe" not in err and "error:" not in err, err
+
+
+def test_weights_larger_than_the_host_are_refused_before_they_are_built(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A preset whose weights alone outgrow the host's memory (qwen3-8b in float32 on a
+    small machine) is one line and exit 1 before any weight is allocated, not a process the
+    kernel kills part-way with no message. The same model fits a host that holds it."""
+    from hicache.engine.model import build_model
+
+    tiny_bytes = 4 * 139_664  # tiny's parameters and buffers in float32 (checked below)
+    monkeypatch.setattr("hicache.facade._host_memory", lambda: tiny_bytes - 1)
+    code, out, err = run_main(["--model", "tiny", "--requests", "1", "--prefix-tokens", "8"], capsys)
+    assert (code, out) == (1, ""), err
+    assert err.startswith("error: out of memory building the model (tiny) and the engine on cpu: model 'tiny' needs ")
+    assert "GiB of weights in float32, more than this machine's host memory" in err and err.count("\n") == 1
+    monkeypatch.setattr("hicache.facade._host_memory", lambda: tiny_bytes)
+    net = build_model("tiny")  # exactly as much memory as its weights: built
+    assert sum(t.numel() * t.element_size() for t in [*net.parameters(), *net.buffers()]) == tiny_bytes

@@ -179,6 +179,29 @@ def is_checkpoint(model: str) -> bool:
     return bool(model) and (Path(model) / "config.json").is_file()
 
 
+def _check_weights_fit(model: str, config: Any, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before building it, a preset whose weights alone outgrow the whole memory they
+    would be built in (MemoryError). On the host the kernel would otherwise kill the process
+    part-way through, with no message. The shape is built on the meta device: no memory."""
+    from transformers import AutoModelForCausalLM
+
+    from hicache.facade import _host_memory
+
+    with torch.device("meta"):
+        shape = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
+    need = sum(t.numel() * t.element_size() for t in itertools.chain(shape.parameters(), shape.buffers()))
+    if device.type == "cuda":
+        have: int | None = torch.cuda.get_device_properties(device).total_memory
+        where = f"the memory of {device}"
+    else:
+        have, where = _host_memory(), "this machine's host memory"
+    if have is not None and need > have:
+        raise MemoryError(
+            f"model {model!r} needs {need / 2**30:.1f} GiB of weights in {str(dtype).removeprefix('torch.')}, "
+            f"more than {where} ({have / 2**30:.1f} GiB)"
+        )
+
+
 def build_model(
     model: str,
     *,
@@ -208,6 +231,7 @@ def build_model(
         spec = dict(PRESETS[model])
         config = AutoConfig.for_model(spec.pop("model_type"), **spec)
         config._attn_implementation = ATTENTION
+        _check_weights_fit(model, config, dtype, torch.device(device))
         torch.manual_seed(seed)
         with torch.device(device):
             net = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
