@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -902,3 +903,10 @@ def test_weights_larger_than_the_host_are_refused_before_they_are_built(
     monkeypatch.setattr("hicache.facade._host_memory", lambda: tiny_bytes)
     net = build_model("tiny")  # exactly as much memory as its weights: built
     assert sum(t.numel() * t.element_size() for t in [*net.parameters(), *net.buffers()]) == tiny_bytes
+
+
+def test_a_closed_stdout_is_no_error() -> None:
+    """``>&-``: Python drops what is printed to a closed stdout; the run serves and exits 0."""
+    cmd = f"exec {shlex.quote(sys.executable)} -m hicache.engine --requests 2 --prefix-tokens 40 >&-"
+    run = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr

@@ -265,6 +265,8 @@ def run(argv: list[str] | None = None) -> int:
     """:func:`main`, with a failure to write stdout as one line and exit 1, or, where the
     reader of a pipe left (``| head``), a quiet exit 141 (as a SIGPIPE would end it)."""
     stdout = sys.stdout
+    if stdout is None:  # NOTE: fd 1 closed (``>&-``): Python drops what is printed, so do we
+        return main(argv)
     sys.stdout = _Stdout(stdout)
     try:
         code = main(argv)
@@ -274,7 +276,9 @@ def run(argv: list[str] | None = None) -> int:
         error = lost.__cause__
         # NOTE: what is still buffered goes nowhere: the interpreter's flush at exit cannot fail
         with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stdout.fileno())
+            os.close(devnull)
         if isinstance(error, BrokenPipeError):
             return 141
         reason = error.strerror if isinstance(error, OSError) and error.strerror else error

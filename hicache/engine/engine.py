@@ -464,21 +464,22 @@ class Engine:
         if seq.req is not None and not seq.req.released:
             self.cache.release(seq.req)
 
-    @atomic
     def _requeue(self, seq: _Seq) -> None:
         """Give back what ``seq`` holds and put it first in line again; no other request is
         admitted until one of those in flight prefills or decodes, or all have left (each
         such step serves, decodes, requeues or ends one, so a lone request that still cannot
-        fit fails: it never fits).
-
-        NOTE: Ctrl-C is held until it returns (between forgetting ``seq`` and queuing it
-        again the request is in neither place); an exception out of ``_drop`` leaves ``seq``
-        active with its cache request released, which :meth:`_tidy` requeues."""
+        fit fails: it never fits). An exception out of ``_drop`` after the cache request was
+        given back leaves ``seq`` active with it released: :meth:`_tidy` requeues it."""
         self._drop(seq)
         self._requeued(seq)
 
+    @atomic
     def _requeued(self, seq: _Seq) -> None:
-        """``seq``, whose cache request is given back, first in line again."""
+        """``seq``, whose cache request is given back, first in line again.
+
+        NOTE: Ctrl-C is held until it returns: between forgetting ``seq`` and queuing it again
+        the request is in neither place (a wait for its layered forward in ``_drop`` stays
+        interruptible)."""
         del self._active[seq.id]
         self._waiting.appendleft(_Seq(seq.id, seq.prompt, seq.max_new, seq.arrived))
         self._admission_held = True
