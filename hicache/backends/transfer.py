@@ -818,10 +818,11 @@ class TransferEngine:
         forward launched there starts on the first groups' pages while the copy engine still
         has work, and the rest is queued behind it. Its exception is raised after the flush
         (the H2Ds are queued whole either way); its time is not the transfer's enqueue."""
-        if self._pending and threading.get_ident() != self._pending_thread:
+        if midway is None and self._pending_thread and threading.get_ident() != self._pending_thread:
             # NOTE: an I/O worker settling a ticket: deferred H2Ds are queued by the thread
             # that made them (and its midway launches run there); the worker's wait then
-            # ends once they are.
+            # ends once they are. Nor does it touch a flush in progress there: with the last
+            # H2D being queued none is pending, and that flush's midway is still to be called.
             return
         self._midway = None if midway is None else (after, midway, torch.cuda.current_stream() if self.cuda else None)
         self._midway_error = None

@@ -210,3 +210,31 @@ def test_a_midway_that_raises_raises_after_the_h2d_is_queued_whole(monkeypatch: 
     assert ticket.wait() and torch.equal(in_l1(l1, dst), want)
     assert all(len(e.records) == 1 for e in events)
     eng.flush()  # the error was raised once: nothing left over
+
+
+def test_a_worker_flushing_while_the_last_deferred_h2d_is_queued_leaves_the_midway_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An I/O worker's ``settle`` flushes too. Landing while the scheduler queues the last
+    deferred H2D (none left pending), it must leave that flush's ``midway`` (the forward's
+    launch) alone: the launch is made once, by the scheduler."""
+    import threading
+
+    l1, l2, eng = setup(monkeypatch)
+    src, dst, want = restore(l1, l2, seed=7)
+    with eng.deferring():
+        ticket = eng.h2d(src, dst, layer_events=counting_events(l1, dst, want))
+    real = TransferEngine._issue
+
+    def issue(self: TransferEngine, *args: Any, **kwargs: Any) -> Any:
+        assert not self._pending  # the last one, being queued
+        worker = threading.Thread(target=self.flush)
+        worker.start()
+        worker.join(timeout=30)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransferEngine, "_issue", issue)
+    launches: list[int] = []
+    eng.flush(midway=lambda: launches.append(1))
+    assert launches == [1]
+    assert ticket.wait() and torch.equal(in_l1(l1, dst), want)
