@@ -13,6 +13,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
@@ -216,13 +217,27 @@ def _l2_refused(config: HiCacheConfig, exc: BaseException) -> ConfigError:
     )
 
 
+# A container's memory limit (cgroup v2, then v1): the kernel kills a process past it as it
+# would one past the machine's memory.
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def _host_memory() -> int | None:
-    """The machine's physical memory in bytes, or None where the system does not say (then
-    the allocator alone judges a pool's size)."""
+    """The memory this process may have, in bytes: the machine's physical memory, or its
+    container's limit where that is lower; None where the system does not say (then the
+    allocator alone judges a pool's size)."""
     try:
         size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        return None
+        size = 0
+    for path in CGROUP_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if text.isdigit() and int(text) > 0 and (size <= 0 or int(text) < size):
+            size = int(text)  # NOTE: "max" (v2) or a huge number (v1) means no limit
+        break
     return size if size > 0 else None
 
 

@@ -23,6 +23,7 @@ from hicache.engine import __main__ as cli_main
 from hicache.engine.cli import engine_from_args, ineffective_flags
 from hicache.engine.engine import Engine, Output
 from hicache.errors import ConfigError
+from hicache.facade import _host_memory
 from hicache.metrics_http import MetricsServer
 from tests.interrupts import run_with_import_interrupted
 
@@ -30,7 +31,7 @@ pytest.importorskip("transformers")
 
 SMALL = ["--requests", "2", "--prefix-tokens", "20", "--suffix-tokens", "2", "--max-new-tokens", "1"]
 PRESETS = "llama-tiny, qwen3-4b, qwen3-8b, tiny"
-HOST_GIB = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+HOST_GIB = (_host_memory() or 0) / 2**30  # the machine's, or its container's limit where lower
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -910,3 +911,20 @@ def test_a_closed_stdout_is_no_error() -> None:
     cmd = f"exec {shlex.quote(sys.executable)} -m hicache.engine --requests 2 --prefix-tokens 40 >&-"
     run = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize(
+    ("limit", "capped"), [("1073741824", True), ("max", False), ("9223372036854771712", False), ("x", False)]
+)
+def test_a_containers_memory_limit_is_the_host_memory_the_checks_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str, capped: bool
+) -> None:
+    """Inside a container the kernel kills a process past the container's memory limit:
+    the memory checks use it where it is below the machine's ("max", or v1's huge number:
+    no limit; anything else unreadable is ignored)."""
+    import hicache.facade as facade
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    (tmp_path / "memory.max").write_text(limit + "\n")
+    monkeypatch.setattr(facade, "CGROUP_LIMITS", (str(tmp_path / "absent"), str(tmp_path / "memory.max")))
+    assert facade._host_memory() == (min(physical, 1 << 30) if capped else physical)
