@@ -182,9 +182,13 @@ class EngineStats:
     cache_s: float = 0.0  # in hicache calls (bookkeeping; excludes blocking restore waits)
 
 
-def _check_rid(call: str, rid: object) -> None:
+def _check_rid(call: str, rid: object) -> int:
+    """``rid`` as the int submit() returned (a numpy integer too: an id read back from an
+    array), else MisuseError."""
+    rid = plain_int(rid)
     if isinstance(rid, bool) or not isinstance(rid, int):
         raise MisuseError(f"{call}: a request id is the int submit() returned, got {rid!r}")
+    return rid
 
 
 def _check_seed(value: object) -> None:
@@ -428,7 +432,7 @@ class Engine:
         back at once; a restore in flight completes in the background into the tree. False if
         the request is not known (finished or never submitted)."""
         self._check_open()
-        _check_rid("abort", rid)
+        rid = _check_rid("abort", rid)
         seq = self._active.get(rid) or next((s for s in self._waiting if s.id == rid), None)
         if seq is None:
             return False
@@ -487,7 +491,7 @@ class Engine:
 
     def state_of(self, rid: int) -> SeqState | None:
         """Where request ``rid`` is in the loop; None once finished (or never submitted)."""
-        _check_rid("state_of", rid)
+        rid = _check_rid("state_of", rid)
         seq = self._active.get(rid)
         if seq is not None:
             return seq.state

@@ -77,6 +77,26 @@ def test_a_request_id_must_be_an_int(rid: Any) -> None:
     e.close()
 
 
+def test_a_numpy_request_id_is_the_int_it_holds() -> None:
+    """An id read back from an array (a numpy integer) names its request, as submit() takes
+    a numpy max_new_tokens; a numpy bool is no id."""
+    import numpy as np
+
+    e = engine()
+    try:
+        rid = e.submit([1, 2, 3], 1)
+        as_int64: Any = np.int64(rid)
+        as_int32: Any = np.int32(rid)
+        true: Any = np.bool_(True)
+        assert e.state_of(as_int64) is not None
+        with pytest.raises(MisuseError, match=r"^abort: a request id is the int submit\(\) returned"):
+            e.abort(true)
+        assert e.abort(as_int32) and e.pending == 0
+        assert [o.error for o in e.run()] == ["aborted"]
+    finally:
+        e.close()
+
+
 def test_generate_keeps_the_other_requests_outputs_for_the_next_run() -> None:
     """generate() serves its request; another request finished alongside is not lost: the
     next run() (or step()) returns it."""
