@@ -224,7 +224,12 @@ class DeviceTicket(Ticket):
         if self.flush is not None:
             self.flush()
         event = self.event
-        if event is not None:
+        if event is None:
+            return
+        handle = event.cuda_event if dma.raw_usable() else 0
+        if handle:  # NOTE: raw handles: a fraction of the host time of torch's stream lookup
+            dma.wait_raw(dma.current_raw(torch.cuda.current_device()), handle)
+        else:
             torch.cuda.current_stream().wait_event(event)
 
     def settle(self) -> bool:
@@ -321,14 +326,14 @@ class _Ids:
                 break
             self.live.popleft()
 
-    def upload(self, start: int, n: int, event: Any) -> torch.Tensor:
-        """The device copy of ``[start, start + n)`` (queued on the current stream);
-        ``event`` is recorded after its last use."""
+    def upload(self, start: int, n: int, event: Any, stream: Any) -> torch.Tensor:
+        """The device copy of ``[start, start + n)``, queued on ``stream`` (the current
+        stream where cuda-python is missing); ``event`` is recorded after its last use."""
         if not self.cuda:
             return self.host[start : start + n]
         dev = self.device[start : start + n]
         if dma.AVAILABLE:
-            dma.copy_raw(dev.data_ptr(), self.host.data_ptr() + 8 * start, 8 * n, torch.cuda.current_stream())
+            dma.copy_raw(dev.data_ptr(), self.host.data_ptr() + 8 * start, 8 * n, stream)
         else:
             dev.copy_(self.host[start : start + n], non_blocking=True)
         self.live.append((start, start + n, event))
@@ -416,6 +421,13 @@ class TransferEngine:
         index: int | None = l1.device.index  # None: the current device, where the pool was made
         self._device = torch.cuda.current_device() if self.cuda and index is None else index
         self._caller: Any = _Event() if self.cuda else None  # _wait_caller's
+        # the caller wait on raw handles where it can (_wait_caller): (event, stream, device)
+        self._raw: tuple[int, int, int] | None = None
+        if self.cuda and self._device is not None and dma.raw_usable():
+            caller: Any = self._caller
+            stream: Any = self.stream
+            caller.record(stream)  # made now: its handle exists from here on
+            self._raw = (int(caller.cuda_event), int(stream.cuda_stream), self._device)
         # a page's rows in each pool, for _copy_pairs: (base, page step, row pitch) of L1 and
         # of L2, the row width and the row count (the pools never move: _transfer checks L1's)
         width, rows = self._slab, 2 * g.num_layers
@@ -957,11 +969,13 @@ class TransferEngine:
         t = time.perf_counter()
         if timer is not None:
             self._wait_caller()
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+        # NOTE: the ring switches to its kernel stream itself (its DMAs name their stream):
+        # a switch here too would only add two of torch's stream lookups
+        with torch.cuda.stream(self.stream) if self.cuda and path != "ring" else contextlib.nullcontext():
             try:
                 if timer is not None:
                     timer[0].record(self.stream)
-                ids = None if rows_only else self._ids.upload(at, count, timer[1] if timer else None)
+                ids = None if rows_only else self._ids.upload(at, count, timer[1] if timer else None, self.stream)
                 l1_ids = ids[:n] if ids is not None else None
                 l2_ids = ids[n + (n & 1) : 2 * n + (n & 1)] if ids is not None and zero_copy else None
                 if path == "direct":
@@ -1166,7 +1180,13 @@ class TransferEngine:
 
         NOTE: through one event of the engine's, recorded again each time (a wait holds the
         record made before it): ``Stream.wait_stream`` makes and frees a CUDA event per call,
-        a fair part of a one-page transfer's host time."""
+        a fair part of a one-page transfer's host time; and through raw handles where
+        cuda-python is there (``torch.cuda.current_stream`` builds a Stream object per call,
+        ~6 us on a slow host, against ~0.3 us for the raw lookup)."""
+        if self._raw is not None:
+            event, stream, device = self._raw
+            dma.record_wait(event, dma.current_raw(device), stream)
+            return
         caller = self._caller
         caller.record(torch.cuda.current_stream(self._device))
         self.stream.wait_event(caller)
@@ -1227,14 +1247,15 @@ class TransferEngine:
         self, slot: torch.Tensor, to_l2: bool, runs: Iterator[tuple[int, int]], a: int, l2_pages: Sequence[int]
     ) -> None:
         """The DMAs between ring slot ``slot`` (holding pages ``a ..``) and L2, one per run
-        of consecutive L2 pages, queued on the current stream in one batched call where the
+        of consecutive L2 pages, queued on the transfer stream in one batched call where the
         runtime has it (:func:`dma.copy_batch`); on CPU the same addresses, copied at once."""
         if self.cuda and not dma.AVAILABLE:
             l2 = self.l2.slabs
-            for first, end in runs:
-                h, part = l2_pages[first], slot[first - a : end - a]
-                (l2[h : h + end - first].copy_(part, non_blocking=True) if to_l2 else
-                 part.copy_(l2[h : h + end - first], non_blocking=True))  # fmt: skip
+            with torch.cuda.stream(self.stream):
+                for first, end in runs:
+                    h, part = l2_pages[first], slot[first - a : end - a]
+                    (l2[h : h + end - first].copy_(part, non_blocking=True) if to_l2 else
+                     part.copy_(l2[h : h + end - first], non_blocking=True))  # fmt: skip
             return
         bpp = self.bytes_per_page
         slot_at, l2_at = slot.data_ptr(), self.l2.slabs.data_ptr()
@@ -1242,7 +1263,7 @@ class TransferEngine:
         for first, end in runs:
             ring, host, nbytes = slot_at + (first - a) * bpp, l2_at + l2_pages[first] * bpp, (end - first) * bpp
             copies.append((host, ring, nbytes) if to_l2 else (ring, host, nbytes))
-        dma.copy_batch(copies, torch.cuda.current_stream() if self.cuda else None)
+        dma.copy_batch(copies, self.stream)
 
     def _ring_copies(
         self,
@@ -1267,31 +1288,33 @@ class TransferEngine:
         if head is not None:
             head()
         k = 0
-        for j, (a, b) in enumerate(spans):
-            k = j % ring.count
-            slot = ring.slot(k)[: b - a]
-            if d2h:
-                if two and j >= ring.count:
-                    self._wait_free(kern, ring.free[k])
-                with self._on(kern):
+        # NOTE: one switch to the kernel stream for the whole loop (a switch costs two of
+        # torch's stream lookups): only the kernels go by the current stream; the DMAs,
+        # records and waits name theirs.
+        with torch.cuda.stream(kern) if self.cuda else contextlib.nullcontext():
+            for j, (a, b) in enumerate(spans):
+                k = j % ring.count
+                slot = ring.slot(k)[: b - a]
+                if d2h:
+                    if two and j >= ring.count:
+                        self._wait_free(kern, ring.free[k])
                     self._run(GATHER, "gather", (self.l1.slabs, ids[a:b], slot))
-                if two:
-                    ring.ready[k].record(kern)
-                    self._wait_ready(copy, ring.ready[k])
-                self._dma_runs(slot, True, _clip(runs, a, b), a, l2_pages)
-                if two:
-                    ring.free[k].record(copy)
-            else:
-                if two and j >= ring.count:
-                    self._wait_free(copy, ring.free[k])
-                self._dma_runs(slot, False, _clip(runs, a, b), a, l2_pages)
-                if two:
-                    ring.ready[k].record(copy)
-                    self._wait_ready(kern, ring.ready[k])
-                with self._on(kern):
+                    if two:
+                        ring.ready[k].record(kern)
+                        self._wait_ready(copy, ring.ready[k])
+                    self._dma_runs(slot, True, _clip(runs, a, b), a, l2_pages)
+                    if two:
+                        ring.free[k].record(copy)
+                else:
+                    if two and j >= ring.count:
+                        self._wait_free(copy, ring.free[k])
+                    self._dma_runs(slot, False, _clip(runs, a, b), a, l2_pages)
+                    if two:
+                        ring.ready[k].record(copy)
+                        self._wait_ready(kern, ring.ready[k])
                     self._run(SCATTER, "scatter", (slot, ids[a:b], self.l1.slabs))
-                if two:
-                    ring.free[k].record(kern)
+                    if two:
+                        ring.free[k].record(kern)
         if two and not d2h:
             self._wait_ready(copy, ring.free[k])  # the ticket's event comes after the last scatter
 
