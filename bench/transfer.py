@@ -8,8 +8,10 @@ H2D: the time from the call to the completed ticket of
 * ``direct``: forced direct (one kernel on the pinned L2 pages in place; Triton only),
 
 each as GiB/s and as a ratio to ``pinned.copy_(device)`` (D2H) / ``device.copy_(pinned)``
-(H2D) of the same byte count; and the gather/scatter kernels (Triton, torch) against a
-device-to-device copy of the same bytes. L1 pages are every other page of the pool. It
+(H2D) of the same byte count. The samples are side by side: each round runs the plain
+copies and every engine once, and a ratio is the median of its rounds' ratios. And the
+gather/scatter kernels (Triton, torch) against a device-to-device copy of the same bytes.
+L1 pages are every other page of the pool. It
 prints a table, the size up to which ``direct`` beat ``ring`` (the value for
 ``TransferEngine(direct_max_bytes=...)``), and writes JSON (with meta: versions, commit,
 device, date) and a PNG to ``--out`` (default ``$HICACHE_BENCH_OUT`` or /tmp/hicache-bench).
@@ -69,6 +71,24 @@ def wall(fn: Callable[[], Any], reps: int) -> float:
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """Wall seconds of each of ``fns`` (each must finish its work), sampled side by side:
+    one warm-up each, then ``reps`` rounds that run every one once, each round starting one
+    further along the list. A drift of the machine over the run (clocks, another tenant)
+    then falls on every figure alike instead of on whichever was measured last."""
+    names = list(fns)
+    for name in names:
+        fns[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            t0 = time.perf_counter()
+            fns[name]()
+            samples[name].append(time.perf_counter() - t0)
+    return samples
 
 
 def device_time(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
@@ -148,10 +168,11 @@ def gpu(fn: Callable[[], Any], reps: int) -> float:
 class Setup:
     """The pools, the engines (default, ring, direct) and the plain copy buffers."""
 
-    def __init__(self, geometry: KVGeometry, top: int, device: str, backend: str) -> None:
+    def __init__(self, geometry: KVGeometry, top: int, device: str, backend: str, l1_pages: int = 0) -> None:
         self.cuda = device.startswith("cuda")
         g = self.geometry = geometry
-        self.l1 = DevicePool.allocate(g, 2 * top + 8, device)
+        # NOTE: a page's rows lie a pool's width apart in L1: the width is part of the measurement
+        self.l1 = DevicePool.allocate(g, max(l1_pages, 2 * top + 8), device)
         self.l1.buffer.copy_(torch.randn(self.l1.buffer.shape, device=device).to(g.dtype))
         self.l2 = HostPool(g, 2 * top + 8, pin=self.cuda)
         self.engines: dict[str, TransferEngine] = {
@@ -196,33 +217,40 @@ def measure(n: int, s: Setup, reps: int) -> dict[str, Any]:
         s.plain_dev[:nbytes].copy_(s.plain_host[:nbytes], non_blocking=s.cuda)
         sync(s.cuda)
 
-    plain = {"d2h": nbytes / gib / wall(plain_d2h, reps), "h2d": nbytes / gib / wall(plain_h2d, reps)}
-    row["plain_d2h_gibs"], row["plain_h2d_gibs"] = plain["d2h"], plain["h2d"]
+    fns: dict[str, Callable[[], Any]] = {"plain_d2h": plain_d2h, "plain_h2d": plain_h2d}
+    tickets: dict[str, list[Ticket]] = {}
     for layout, l2_pages in (("consecutive", list(range(n))), ("fragmented", list(range(0, 2 * n, 2)))):
         for name, engine in s.engines.items():
             tag = "" if name == "default" else f"_{name}"
             for direction in ("d2h", "h2d"):
-                tickets: list[Ticket] = []
+                key = f"{direction}_{layout}{tag}"
+                out = tickets[key] = []
 
                 def run(
                     e: TransferEngine = engine,
                     d: str = direction,
                     pages: list[int] = l2_pages,
-                    out: list[Ticket] = tickets,
+                    out: list[Ticket] = out,
                 ) -> None:
                     t = e.d2h(l1_src, pages) if d == "d2h" else e.h2d(pages, l1_dst)
                     if not t.wait():
                         raise RuntimeError(f"{d} of {n} pages failed: {t.error}")
                     out.append(t)
 
-                key = f"{direction}_{layout}{tag}"
-                row[f"{key}_gibs"] = nbytes / gib / wall(run, reps)
-                row[f"{key}_ratio"] = row[f"{key}_gibs"] / plain[direction]
-                for part in ("enqueue", "service", "total"):
-                    row[f"{key}_{part}_ms"] = statistics.median(getattr(t.timings, f"{part}_s") for t in tickets) * 1e3
-        paths = s.engines["default"].paths
-        row[f"default_paths_{layout}"] = dict(paths)
-        paths.update(dict.fromkeys(paths, 0))
+                fns[key] = run
+    default = s.engines["default"].paths
+    default.update(dict.fromkeys(default, 0))
+    samples = interleaved(fns, reps)
+    for direction in ("d2h", "h2d"):
+        row[f"plain_{direction}_gibs"] = nbytes / gib / statistics.median(samples[f"plain_{direction}"])
+    for key, out in tickets.items():
+        plain = samples[f"plain_{key[:3]}"]
+        row[f"{key}_gibs"] = nbytes / gib / statistics.median(samples[key])
+        # each round's ratio to the plain copy of the same round (side by side), the median
+        row[f"{key}_ratio"] = statistics.median(p / t for p, t in zip(plain, samples[key], strict=True))
+        for part in ("enqueue", "service", "total"):
+            row[f"{key}_{part}_ms"] = statistics.median(getattr(t.timings, f"{part}_s") for t in out[1:]) * 1e3
+    row["default_paths"] = dict(default)
     dev = s.l1.slabs.device
     ids = torch.tensor(l1_src, device=dev)
     ids_dst = torch.tensor(l1_dst, device=dev)
@@ -292,6 +320,7 @@ def meta_of(s: Setup, device: str) -> dict[str, Any]:
         "geometry": f"{g.num_layers} layers, {g.num_kv_heads} KV heads, head dim {g.head_dim}, {g.dtype}, "
         f"page size {g.page_size}",
         "bytes_per_page": g.bytes_per_page,
+        "l1_pages": s.l1.num_pages,
         "engines": {name: e.status() for name, e in s.engines.items()},
         "direct_up_to_bytes": None,
     }
@@ -385,6 +414,13 @@ def main() -> None:
     )
     ap.add_argument("--reps", type=at_least(1), default=None, help="default: 10 on CUDA, 3 on CPU")
     ap.add_argument(
+        "--l1-pages",
+        type=between(1, 8 * MAX_PAGES),
+        default=0,
+        help="the L1 pool's pages (its width: a page's rows are that many pages apart); "
+        "default and least: twice the largest size, plus 8",
+    )
+    ap.add_argument(
         "--backend",
         choices=["auto", "triton", "torch"],
         default=None,
@@ -398,7 +434,13 @@ def main() -> None:
         torch.set_num_threads(1)  # NOTE: small CPU copies on a busy pool of threads stall ~20 ms at random
     pages = args.pages or ([1, 4, 16, 64, 256, 1024] if cuda else [1, 4, 16])
     reps = args.reps or (10 if cuda else 3)
-    s = Setup(QWEN3_8B if cuda else SMALL, max(pages), args.device, args.backend or ("auto" if cuda else "torch"))
+    s = Setup(
+        QWEN3_8B if cuda else SMALL,
+        max(pages),
+        args.device,
+        args.backend or ("auto" if cuda else "torch"),
+        args.l1_pages,
+    )
     rows = [measure(n, s, reps) for n in pages]
     meta = meta_of(s, args.device)
     meta["direct_up_to_bytes"] = direct_up_to(rows)
