@@ -4,6 +4,7 @@ and that a recompute is reported as one."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import subprocess
@@ -283,6 +284,26 @@ def test_storage_bench_times_plain_and_store_in_turn_and_takes_the_median_turn_r
     assert calls[:6] == ["drop plain", "plain", "drop store", "store", "drop plain", "plain"]
     # the medians, and the median of the turns' ratios (1/3, 2/3, 1, 0.8, 1), not 3.0 / 3.0
     assert got == (3.0, 3.0, 0.8)
+
+
+def test_transfer_bench_samples_every_function_in_turn_each_round_starting_further_along(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import transfer
+
+    clock = [0.0]
+    calls: list[str] = []
+
+    # the machine drifts: the n-th call of any function takes n seconds
+    def run(name: str) -> None:
+        calls.append(name)
+        clock[0] += len(calls)
+
+    monkeypatch.setattr("transfer.time.perf_counter", lambda: clock[0])
+    got = transfer.interleaved({k: functools.partial(run, k) for k in "abc"}, 3)
+    # one warm-up each, then rounds a b c, b c a, c a b
+    assert calls == list("abc") + list("abc") + list("bca") + list("cab")
+    assert got == {"a": [4.0, 9.0, 11.0], "b": [5.0, 7.0, 12.0], "c": [6.0, 8.0, 10.0]}
 
 
 def test_the_main_job_routes_each_option_to_the_benchmarks_that_have_it() -> None:
