@@ -245,6 +245,18 @@ def current_raw(device: int) -> int:
     return int(_RAW_STREAM(device))
 
 
+def record_wait_current(event: int, waiter: int, device: int) -> bool:
+    """:func:`record_wait` on ``device``'s current stream, if its handle names that stream
+    alone; False (nothing done) where it is a default-stream handle (0, legacy 1, per-thread
+    2) and another device is current: the runtime resolves those on the current device,
+    whose stream the event (made on ``device``) cannot be recorded on."""
+    on = current_raw(device)
+    if on <= 2 and torch.cuda.current_device() != device:
+        return False
+    record_wait(event, on, waiter)
+    return True
+
+
 def record_wait(event: int, on: int, waiter: int) -> None:
     """Record ``event`` on stream ``on`` and make stream ``waiter`` wait for that record
     (``Stream.wait_stream`` through one reused event, on raw handles: two runtime calls)."""

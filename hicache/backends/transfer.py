@@ -335,7 +335,8 @@ class _Ids:
         if dma.AVAILABLE:
             dma.copy_raw(dev.data_ptr(), self.host.data_ptr() + 8 * start, 8 * n, stream)
         else:
-            dev.copy_(self.host[start : start + n], non_blocking=True)
+            with torch.cuda.stream(stream):  # NOTE: the kernels that read them are ordered after it
+                dev.copy_(self.host[start : start + n], non_blocking=True)
         self.live.append((start, start + n, event))
         return dev
 
@@ -1183,9 +1184,7 @@ class TransferEngine:
         a fair part of a one-page transfer's host time; and through raw handles where
         cuda-python is there (``torch.cuda.current_stream`` builds a Stream object per call,
         ~6 us on a slow host, against ~0.3 us for the raw lookup)."""
-        if self._raw is not None:
-            event, stream, device = self._raw
-            dma.record_wait(event, dma.current_raw(device), stream)
+        if self._raw is not None and dma.record_wait_current(*self._raw):
             return
         caller = self._caller
         caller.record(torch.cuda.current_stream(self._device))

@@ -43,3 +43,29 @@ def test_copy_batch_puts_each_copy_in_its_place() -> None:
     want = torch.zeros(64, dtype=torch.uint8)
     want[40:48], want[0:4] = src[0:8], src[16:20]
     assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize(
+    ("stream", "current", "raw"),
+    [
+        (0x5000, 0, True),  # a stream of its own: its handle names it on any device
+        (0x5000, 1, True),
+        (0, 1, True),  # the default stream, the engine's device current
+        (0, 0, False),  # the default stream, another device current: "0" would mean that one's
+        (1, 0, False),  # the legacy and the per-thread default stream alike
+        (2, 0, False),
+    ],
+)
+def test_the_raw_caller_wait_leaves_a_default_stream_of_another_device_to_torch(
+    monkeypatch: pytest.MonkeyPatch, stream: int, current: int, raw: bool
+) -> None:
+    """The caller's-stream wait on raw handles records the engine's event on the caller's
+    stream of the engine's device (1 here). A default-stream handle is resolved by the
+    runtime on the current device: with another one current, the raw wait is declined
+    (the caller then waits through torch, which sets the device), never recorded there."""
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(dma, "_RAW_STREAM", lambda device: stream if device == 1 else -1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(dma, "record_wait", lambda event, on, waiter: calls.append((event, on, waiter)))
+    assert dma.record_wait_current(0xE, 0xF, 1) is raw
+    assert calls == ([(0xE, stream, 0xF)] if raw else [])

@@ -156,6 +156,28 @@ def test_d2h_reads_the_pages_the_caller_just_wrote(
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("path", ["ring", "multi"])
+def test_without_cuda_python_the_ring_reads_this_transfers_page_ids(
+    monkeypatch: pytest.MonkeyPatch, backend: TransferBackend, path: str
+) -> None:
+    """Without cuda-python the page ids go up by torch's copy. It must be queued on the
+    transfer stream, like the kernels that read them: queued on the caller's (busy behind a
+    long kernel), the gather read the ids an earlier transfer left there, and other pages
+    went to L2."""
+    monkeypatch.setattr(dma, "AVAILABLE", False)
+    s = Scene(backend, path)
+    assert not s.engine.copy_usable
+    with torch.cuda.stream(s.caller):
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        s.l1.buffer[:, :, s.span].copy_(s.fresh)
+        ticket = s.engine.d2h(s.ids(), list(range(s.pages)))
+    assert ticket.wait()
+    torch.cuda.synchronize()
+    assert s.engine.paths["ring"] >= 3
+    assert torch.equal(s.l2.buffer[:, :, : s.pages], s.fresh.cpu())
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("path", ["copy", "direct", "ring", "multi", "layered", "scatter", "straight"])
 @pytest.mark.parametrize("wait", variants("wait_caller"))
 def test_h2d_does_not_overwrite_pages_the_caller_still_reads(
