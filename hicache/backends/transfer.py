@@ -154,6 +154,35 @@ _Stream: Any = torch.cuda.Stream
 _Event: Any = torch.cuda.Event
 
 
+# torch's lookup of a device's current stream as a raw handle (what Triton's launcher calls)
+_RAW_STREAM: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_STREAMS: dict[tuple[int, int], Any] = {}  # current_stream's: (device, raw handle) -> torch stream
+
+
+def current_stream(device: int | None) -> Any:
+    """``torch.cuda.current_stream(device)`` (None: the current device), each stream's
+    object made once.
+
+    NOTE: ``torch.cuda.current_stream`` builds a new Stream object per call (~6 us on a slow
+    host, a fair part of a one-page transfer's host time); the raw handle under it costs
+    ~0.3 us, and the object kept for it is the same stream as long as the handle is (torch
+    never frees its pool's streams). Kept only where the object's handle is the one looked
+    up; the table is emptied past 256 streams, so it cannot grow without bound."""
+    if _RAW_STREAM is None:
+        return torch.cuda.current_stream(device)
+    if device is None:
+        device = torch.cuda.current_device()
+    key = (device, int(_RAW_STREAM(device)))
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = torch.cuda.current_stream(device)
+        if int(stream.cuda_stream) == key[1]:
+            if len(_STREAMS) >= 256:
+                _STREAMS.clear()
+            _STREAMS[key] = stream
+    return stream
+
+
 def layer_groups(layers: int, first: int, most: int, last: int | None = None) -> list[tuple[int, int]]:
     """The ``[lo, hi)`` layer ranges of a layered H2D, in order: sizes grow from ``first``
     by doubling to ``most``, the middle is cut into groups of at most ``most`` as even as
@@ -226,11 +255,7 @@ class DeviceTicket(Ticket):
         event = self.event
         if event is None:
             return
-        handle = event.cuda_event if dma.raw_usable() else 0
-        if handle:  # NOTE: raw handles: a fraction of the host time of torch's stream lookup
-            dma.wait_raw(dma.current_raw(torch.cuda.current_device()), handle)
-        else:
-            torch.cuda.current_stream().wait_event(event)
+        current_stream(None).wait_event(event)
 
     def settle(self) -> bool:
         """Block until the copy itself has ended, without running completion work (safe
@@ -422,13 +447,6 @@ class TransferEngine:
         index: int | None = l1.device.index  # None: the current device, where the pool was made
         self._device = torch.cuda.current_device() if self.cuda and index is None else index
         self._caller: Any = _Event() if self.cuda else None  # _wait_caller's
-        # the caller wait on raw handles where it can (_wait_caller): (event, stream, device)
-        self._raw: tuple[int, int, int] | None = None
-        if self.cuda and self._device is not None and dma.raw_usable():
-            caller: Any = self._caller
-            stream: Any = self.stream
-            caller.record(stream)  # made now: its handle exists from here on
-            self._raw = (int(caller.cuda_event), int(stream.cuda_stream), self._device)
         # a page's rows in each pool, for _copy_pairs: (base, page step, row pitch) of L1 and
         # of L2, the row width and the row count (the pools never move: _transfer checks L1's)
         width, rows = self._slab, 2 * g.num_layers
@@ -1181,13 +1199,10 @@ class TransferEngine:
 
         NOTE: through one event of the engine's, recorded again each time (a wait holds the
         record made before it): ``Stream.wait_stream`` makes and frees a CUDA event per call,
-        a fair part of a one-page transfer's host time; and through raw handles where
-        cuda-python is there (``torch.cuda.current_stream`` builds a Stream object per call,
-        ~6 us on a slow host, against ~0.3 us for the raw lookup)."""
-        if self._raw is not None and dma.record_wait_current(*self._raw):
-            return
+        a fair part of a one-page transfer's host time; the caller's stream is looked up
+        by :func:`current_stream`."""
         caller = self._caller
-        caller.record(torch.cuda.current_stream(self._device))
+        caller.record(current_stream(self._device))
         self.stream.wait_event(caller)
 
     def _wait_join(self, waiter: Any, other: Any) -> None:

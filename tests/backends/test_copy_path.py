@@ -45,27 +45,38 @@ def test_copy_batch_puts_each_copy_in_its_place() -> None:
     assert torch.equal(dst, want)
 
 
-@pytest.mark.parametrize(
-    ("stream", "current", "raw"),
-    [
-        (0x5000, 0, True),  # a stream of its own: its handle names it on any device
-        (0x5000, 1, True),
-        (0, 1, True),  # the default stream, the engine's device current
-        (0, 0, False),  # the default stream, another device current: "0" would mean that one's
-        (1, 0, False),  # the legacy and the per-thread default stream alike
-        (2, 0, False),
-    ],
-)
-def test_the_raw_caller_wait_leaves_a_default_stream_of_another_device_to_torch(
-    monkeypatch: pytest.MonkeyPatch, stream: int, current: int, raw: bool
+def test_current_stream_makes_each_streams_object_once_and_only_for_its_own_handle(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The caller's-stream wait on raw handles records the engine's event on the caller's
-    stream of the engine's device (1 here). A default-stream handle is resolved by the
-    runtime on the current device: with another one current, the raw wait is declined
-    (the caller then waits through torch, which sets the device), never recorded there."""
-    calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(dma, "_RAW_STREAM", lambda device: stream if device == 1 else -1)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
-    monkeypatch.setattr(dma, "record_wait", lambda event, on, waiter: calls.append((event, on, waiter)))
-    assert dma.record_wait_current(0xE, 0xF, 1) is raw
-    assert calls == ([(0xE, stream, 0xF)] if raw else [])
+    """The caller's-stream lookup keeps torch's stream object per (device, raw handle): the
+    same object while the handle stays, another for another handle or device, none kept
+    where torch's object has another handle than the one looked up (it is made again)."""
+    from hicache.backends import transfer
+
+    raw = {0: 0x10, 1: 0x10}
+    made: list[tuple[int, int]] = []
+
+    class Stream:
+        def __init__(self, device: int, handle: int) -> None:
+            self.device, self.cuda_stream = device, handle
+
+    def lookup(device: int) -> Stream:
+        made.append((device, raw[device]))
+        return Stream(device, raw[device] if device == 0 else 0x99)  # device 1: another handle
+
+    monkeypatch.setattr(transfer, "_STREAMS", {})
+    monkeypatch.setattr(transfer, "_RAW_STREAM", lambda device: raw[device])
+    monkeypatch.setattr(torch.cuda, "current_stream", lookup)
+    first = transfer.current_stream(0)
+    assert transfer.current_stream(0) is first and made == [(0, 0x10)]
+    raw[0] = 0x20
+    other = transfer.current_stream(0)
+    assert other is not first and other.cuda_stream == 0x20 and len(made) == 2
+    raw[0] = 0x10
+    assert transfer.current_stream(0) is first and len(made) == 2
+    transfer.current_stream(1), transfer.current_stream(1)
+    assert made[2:] == [(1, 0x10), (1, 0x10)]  # a mismatched handle is never kept
+    for handle in range(0x100, 0x100 + 300):
+        raw[0] = handle
+        transfer.current_stream(0)
+    assert len(transfer._STREAMS) <= 256

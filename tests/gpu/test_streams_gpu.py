@@ -90,9 +90,15 @@ def slow(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch, what: str) -> 
     real = getattr(engine, name)
 
     def late(*args: Any) -> None:
-        # NOTE: _unpack is handed the stream it queues on (row DMAs name it, they do not
-        # switch the current stream): the sleep goes there
-        stream = args[-1] if what == "layer_kernel" and args[-1] is not None else torch.cuda.current_stream()
+        # NOTE: the sleep goes on the stream the work queues on, which DMAs name rather than
+        # take from the current stream: _unpack is handed its stream, the L2 DMAs go on the
+        # transfer stream (a ring queues them while its kernel stream is current)
+        if what == "layer_kernel" and args[-1] is not None:
+            stream = args[-1]
+        elif what in ("dma", "layer_dma"):
+            stream = engine.stream
+        else:
+            stream = torch.cuda.current_stream()
         with torch.cuda.stream(stream):
             torch.cuda._sleep(SLEEP_CYCLES // 4)  # type: ignore[no-untyped-call]
         real(*args)
@@ -161,12 +167,19 @@ def test_without_cuda_python_the_ring_reads_this_transfers_page_ids(
     monkeypatch: pytest.MonkeyPatch, backend: TransferBackend, path: str
 ) -> None:
     """Without cuda-python the page ids go up by torch's copy. It must be queued on the
-    transfer stream, like the kernels that read them: queued on the caller's (busy behind a
-    long kernel), the gather read the ids an earlier transfer left there, and other pages
-    went to L2."""
+    transfer stream, like the kernels that read them: queued on the caller's (here busy
+    with a long kernel queued after the transfer's wait on it), the gather read the ids an
+    earlier transfer left there, and other pages went to L2."""
     monkeypatch.setattr(dma, "AVAILABLE", False)
     s = Scene(backend, path)
-    assert not s.engine.copy_usable
+    assert not s.engine.copy_usable and s.engine._ids is not None
+    upload = s.engine._ids.upload
+
+    def late(*args: Any) -> Any:  # the caller's stream stays busy after the transfer's wait on it
+        torch.cuda._sleep(SLEEP_CYCLES // 4)  # type: ignore[no-untyped-call]
+        return upload(*args)
+
+    monkeypatch.setattr(s.engine._ids, "upload", late)
     with torch.cuda.stream(s.caller):
         torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
         s.l1.buffer[:, :, s.span].copy_(s.fresh)
