@@ -128,6 +128,7 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
         (["transfer.py", "--backend", "cuda"], "error: --backend cuda: invalid choice"),
         (["transfer.py", "--pages", "99999999999"], "error: --pages 99999999999: must be at most 4096"),
         (["transfer.py", "--tag", "a/b"], "error: --tag a/b: must be a plain file name part"),
+        (["transfer.py", "--l1-pages", "0"], "error: --l1-pages 0: must be at least 1"),
         (["bench_hicache.py", "--tag", "a/b"], "error: --tag a/b: must be a plain file name part"),
         (["bench_hicache.py", "--straight-runs", "-1"], "--straight-runs -1: must be at least 0"),
         (["bench_hicache.py", "--warmup", "0"], "--warmup 0: must be at least 1"),
