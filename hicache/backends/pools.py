@@ -10,10 +10,12 @@ Both are also seen as ``[pages, 2*layers, page_elements]`` (L2, page-major) and
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hicache.backends.ticket import Ticket
@@ -25,21 +27,60 @@ class PagesInFlightError(MisuseError):
     """A transfer names pages that another transfer still writes (or reads, for a write)."""
 
 
-def check_pages(name: str, pages: Sequence[int], limit: int) -> None:
-    """Raise PageOwnershipError unless ``pages`` are distinct ints in ``[0, limit)``."""
+def check_pages(name: str, pages: Sequence[int], limit: int) -> Sequence[int]:
+    """``pages`` as distinct plain ints in ``[0, limit)``, else PageOwnershipError.
+
+    A list, tuple or range of ints comes back as given; a 1-D integer tensor or array, or a
+    sequence of other integer types (numpy's, a 0-d integer tensor), as a list of ints.
+    Refused: bools (an int to Python, never a page id a caller means), unordered or unsized
+    collections (a page's place pairs it with its source or destination), anything else."""
+    if type(pages) not in (list, tuple, range):
+        pages = _page_list(name, pages)
     # NOTE: C-level checks first (a 3,500-token restore checks 219 pages twice per
-    # transfer); the loop below only runs to name the bad page (or for int subclasses).
+    # transfer); the loop below only runs to name the bad page or to convert other ints.
     if not pages:
-        return
+        return pages
     if set(map(type, pages)) == {int} and min(pages) >= 0 and max(pages) < limit and len(set(pages)) == len(pages):
-        return
+        return pages
+    out: list[int] = []
     seen: set[int] = set()
-    for p in pages:
-        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < limit:
-            raise PageOwnershipError(f"{name}: page {p!r} out of range [0, {limit})")
-        if p in seen:
-            raise PageOwnershipError(f"{name}: page {p} given twice")
-        seen.add(p)
+    items: Sequence[object] = pages
+    for p in items:
+        if isinstance(p, (bool, np.bool_)) or (isinstance(p, torch.Tensor) and p.dtype == torch.bool):
+            raise PageOwnershipError(f"{name}: page {p!r} is a bool, not a page id")
+        try:
+            page = operator.index(p)  # type: ignore[arg-type]  # NOTE: a TypeError is the refusal below
+        except TypeError:
+            raise PageOwnershipError(f"{name}: page {p!r} is not an int") from None
+        if not 0 <= page < limit:
+            raise PageOwnershipError(f"{name}: page {page} out of range [0, {limit})")
+        if page in seen:
+            raise PageOwnershipError(f"{name}: page {page} given twice")
+        seen.add(page)
+        out.append(page)
+    return out
+
+
+def _page_list(name: str, pages: object) -> Sequence[int]:
+    """:func:`check_pages`' form of any other container: a tensor's or array's values, a
+    sequence's items (their checks follow)."""
+    if isinstance(pages, (torch.Tensor, np.ndarray)):
+        if isinstance(pages, torch.Tensor):
+            integer = not (pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool)
+        else:
+            integer = pages.dtype.kind in "iu"
+        if pages.ndim != 1 or not integer:
+            raise PageOwnershipError(
+                f"{name}: pages must be a 1-D sequence of ints, got a {pages.ndim}-D {type(pages).__name__} "
+                f"of {pages.dtype}"
+            )
+        values: list[int] = pages.tolist()
+        return values
+    if isinstance(pages, Sequence) and not isinstance(pages, (str, bytes, bytearray)):
+        return list(pages)
+    raise PageOwnershipError(
+        f"{name}: pages must be a sequence of ints (a list, tuple or range), got {type(pages).__name__}"
+    )
 
 
 def coalesce(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:

@@ -753,12 +753,13 @@ class TransferEngine:
             # NOTE: the engine freed or resized its KV pool under the cache: copies into the
             # addresses it had would write freed memory (a crash at best)
             raise MisuseError("the L1 pool's memory was freed or moved since the cache was made over it")
-        if len(src) != len(dst):
-            raise PageOwnershipError(f"{direction.name}: {len(src)} source pages for {len(dst)} destinations")
         d2h = direction is Direction.D2H
         l1_pages, l2_pages = (src, dst) if d2h else (dst, src)
-        check_pages("L1", l1_pages, self.l1.num_pages)
-        check_pages("L2", l2_pages, self.l2.num_pages)
+        l1_pages = check_pages("L1", l1_pages, self.l1.num_pages)
+        l2_pages = check_pages("L2", l2_pages, self.l2.num_pages)
+        src, dst = (l1_pages, l2_pages) if d2h else (l2_pages, l1_pages)
+        if len(src) != len(dst):
+            raise PageOwnershipError(f"{direction.name}: {len(src)} source pages for {len(dst)} destinations")
         n = len(src)
         ticket = DeviceTicket(direction, n, n * self.bytes_per_page, started=t0)
         if n == 0:

@@ -3,11 +3,14 @@ address arithmetic runs as host copies: bit-exact, nothing else written, any lay
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from hicache.backends import dma
 from hicache.backends.transfer import TransferEngine
+from hicache.errors import PageOwnershipError
 from tests.backends.test_ring import pools, round_trip
 
 
@@ -80,3 +83,79 @@ def test_current_stream_makes_each_streams_object_once_and_only_for_its_own_hand
         raw[0] = handle
         transfer.current_stream(0)
     assert len(transfer._STREAMS) <= 256
+
+
+@pytest.mark.parametrize(
+    "kind", ["list", "tuple", "range", "numpy ints", "tensor", "ndarray", "int32 tensor", "0-d tensors"]
+)
+def test_page_ids_in_any_integer_container_move_the_same_pages(kind: str) -> None:
+    """A transfer's pages may come as numpy ints (read back from an array) or as a 1-D
+    integer tensor or array, as the facade takes them: the same pages move, bit-exact."""
+    import numpy as np
+
+    def form(pages: list[int]) -> Any:
+        if kind == "tuple":
+            return tuple(pages)
+        if kind == "range":
+            return range(pages[0], pages[0] + len(pages))
+        if kind == "numpy ints":
+            return [np.int64(p) for p in pages]
+        if kind in ("tensor", "int32 tensor"):
+            return torch.tensor(pages, dtype=torch.int64 if kind == "tensor" else torch.int32)
+        if kind == "ndarray":
+            return np.array(pages, dtype=np.int32)
+        if kind == "0-d tensors":
+            return [torch.tensor(p) for p in pages]
+        return pages
+
+    l1, l2 = pools(16, seed=3)
+    eng = TransferEngine(l1, l2, "torch", direct_max_bytes=0)
+    want = l1.slabs[:, [4, 5, 6]].clone()
+    assert eng.d2h(form([4, 5, 6]), form([9, 10, 11])).wait()
+    assert torch.equal(l2.slabs[[9, 10, 11]], want.transpose(0, 1))
+    assert eng.h2d(form([9, 10, 11]), form([1, 2, 3])).wait()
+    assert torch.equal(l1.slabs[:, [1, 2, 3]], want)
+
+
+@pytest.mark.parametrize(
+    ("pages", "says"),
+    [
+        ([True], "is a bool"),
+        ("np.True_", "is a bool"),
+        ([1.0], "is not an int"),
+        (["1"], "is not an int"),
+        ("float tensor", "1-D sequence of ints"),
+        ("2-D tensor", "1-D sequence of ints"),
+        ("bool tensor", "1-D sequence of ints"),
+        ("float array", "1-D sequence of ints"),
+        ({1}, "got set"),
+        (None, "got NoneType"),
+        ("ab", "got str"),
+        ([20], "out of range"),
+        ([1, 1], "given twice"),
+    ],
+)
+def test_pages_that_are_not_page_ids_are_refused_with_nothing_moved(pages: Any, says: str) -> None:
+    import numpy as np
+
+    pages = (
+        {
+            "np.True_": [np.True_],
+            "float tensor": torch.tensor([1.0]),
+            "2-D tensor": torch.tensor([[1]]),
+            "bool tensor": torch.tensor([True]),
+            "float array": np.array([1.5]),
+        }.get(pages, pages)
+        if isinstance(pages, str)
+        else pages
+    )
+    l1, l2 = pools(16, seed=4)
+    eng = TransferEngine(l1, l2, "torch", direct_max_bytes=0)
+    before = (l1.buffer.clone(), l2.buffer.clone())
+    n = 2 if says == "given twice" else 1
+    with pytest.raises(PageOwnershipError, match=says):
+        eng.d2h(pages, list(range(n)))
+    with pytest.raises(PageOwnershipError, match=says):
+        eng.h2d(list(range(n)), pages)
+    assert torch.equal(l1.buffer, before[0]) and torch.equal(l2.buffer, before[1])
+    assert sum(eng.paths.values()) == 0

@@ -292,11 +292,11 @@ class StoreMover:
         if self.closed:
             raise ConfigError("storage backend is closed")
         direction = Direction.H2S if op == "write" else Direction.S2H
+        host_pages = check_pages("L2", host_pages, self.host.num_pages)
+        slots = check_pages("L3", slots, self.slots)
         n = len(slots)
         if len(host_pages) != n:
             raise PageOwnershipError(f"{direction.name}: {len(host_pages)} host pages for {n} slots")
-        check_pages("L2", host_pages, self.host.num_pages)
-        check_pages("L3", slots, self.slots)
         if keys is not None:
             _check_keys(keys, n)
             if above:
