@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="qwen3-8b" if cuda else "tiny")
     ap.add_argument("--prefix-tokens", type=at_least(1), default=3500 if cuda else 256)
     ap.add_argument("--prompts", type=at_least(1), default=3)
-    ap.add_argument("--bandwidth-pages", type=int, default=219 if cuda else 64, help="pages per store batch")
+    ap.add_argument("--bandwidth-pages", type=at_least(1), default=219 if cuda else 64, help="pages per store batch")
     ap.add_argument("--timeout", type=positive_float, default=240.0, help="seconds per instance")
     add_out_args(ap)
     args = ap.parse_args(argv)

@@ -171,14 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(ap)
     ap.add_argument("--requests", type=at_least(1), default=10_000, help="stop after this many (or --minutes)")
     ap.add_argument("--minutes", type=positive_float, default=None, help="stop after this long")
-    ap.add_argument("--warmup", type=at_least(0), default=200, help="requests before the resource baseline")
+    ap.add_argument("--warmup", type=at_least(1), default=200, help="requests before the resource baseline")
     ap.add_argument("--concurrency", type=at_least(1), default=6, help="requests in flight at once")
     ap.add_argument("--fault-rate", type=fraction, default=0.05, help="faults injected per request")
     ap.add_argument("--abort-rate", type=fraction, default=0.03, help="aborts per request")
     ap.add_argument("--integrity-every", type=at_least(1), default=100, help="check_integrity() every N requests")
-    ap.add_argument("--hot", type=int, default=3, help="shared prefixes drawn half the time")
-    ap.add_argument("--rotating", type=int, default=24, help="prefixes drawn in rotation otherwise")
-    ap.add_argument("--max-prefix-tokens", type=int, default=None, help="default: 200 on CPU, 2000 on CUDA")
+    ap.add_argument("--hot", type=at_least(1), default=3, help="shared prefixes drawn half the time")
+    ap.add_argument("--rotating", type=at_least(1), default=24, help="prefixes drawn in rotation otherwise")
+    ap.add_argument("--max-prefix-tokens", type=at_least(2), default=None, help="default: 200 on CPU, 2000 on CUDA")
     ap.add_argument("--sample-s", type=positive_float, default=30.0, help="seconds between RSS samples")
     ap.add_argument("--seed", type=at_least(0), default=0, help="seed of the workload, faults and aborts")
     add_out_args(ap)
@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model = "tiny"
     max_prefix = args.max_prefix_tokens or (2000 if cuda else 200)
     ps = args.page_size
+    if max_prefix <= ps:
+        ap.error(f"--max-prefix-tokens {max_prefix}: must exceed the page size {ps} (prefixes are a page or more)")
     rng = random.Random(args.seed)
     per = -(-(max_prefix + 64) // ps)
     # L1 holds a few requests' worth, L2 about half the prefixes, L3 all of them (and more).

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import add_out_args, at_least, existing_dir, git_commit, guarded, tag_of, versions
+from common import add_out_args, at_least, between, existing_dir, git_commit, guarded, tag_of, versions
 
 from hicache.backends.pools import HostPool
 from hicache.backends.storage import StorageBackend, StorageFile
@@ -45,6 +45,7 @@ from hicache.backends.stores import StoreMover, open_storage
 from hicache.core.geometry import KVGeometry
 from hicache.core.keys import format_seed, page_keys
 from hicache.engine.cli import ArgParser
+from hicache.facade import MAX_STORAGE_WORKERS
 
 GEOMETRY = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
 GIB = 2.0**30
@@ -259,8 +260,10 @@ def main() -> None:
     ap.add_argument("--stores", nargs="+", default=["file", "dir"], choices=["file", "dir"])
     ap.add_argument("--modes", nargs="+", default=["buffered", "direct"], choices=["buffered", "direct"])
     ap.add_argument("--reps", type=at_least(1), default=3)
-    ap.add_argument("--workers", type=at_least(1), default=4)
-    ap.add_argument("--chunk-pages", type=int, default=8)
+    ap.add_argument(
+        "--workers", type=between(1, MAX_STORAGE_WORKERS), default=4, help="I/O threads (at most as HiCacheConfig)"
+    )
+    ap.add_argument("--chunk-pages", type=at_least(1), default=8)
     add_out_args(ap)
     args = ap.parse_args()
     tag = args.tag or tag_of("cuda" if torch.cuda.is_available() else "cpu")

@@ -167,6 +167,14 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
             "error: --prefix-tokens 20000000: must be an integer in [1, 1,000,000]",
         ),
         (["fleet.py", "--instances", "0"], "error: --instances 0: must be at least 1"),
+        (["soak.py", "--hot", "-1"], "error: --hot -1: must be at least 1"),
+        (["soak.py", "--rotating", "0"], "error: --rotating 0: must be at least 1"),
+        (["soak.py", "--warmup", "0"], "error: --warmup 0: must be at least 1"),
+        (["soak.py", "--max-prefix-tokens", "-5"], "error: --max-prefix-tokens -5: must be at least 2"),
+        (["soak.py", "--max-prefix-tokens", "16"], "--max-prefix-tokens 16: must exceed the page size 16"),
+        (["storage.py", "--workers", "100000"], "error: --workers 100000: must be at most 256"),
+        (["storage.py", "--chunk-pages", "0"], "error: --chunk-pages 0: must be at least 1"),
+        (["share.py", "--bandwidth-pages", "0"], "error: --bandwidth-pages 0: must be at least 1"),
     ],
 )
 def test_a_bad_benchmark_flag_is_one_line_and_no_traceback(argv: list[str], says: str) -> None:
