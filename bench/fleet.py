@@ -228,9 +228,13 @@ class Workload:
         for name, alpha in (("system_zipf", self.system_zipf), ("conversation_zipf", self.conversation_zipf)):
             if not alpha >= 0:  # a zipf exponent: 0 is uniform, inf only the first; NaN draws nothing
                 raise ConfigError(f"{name} must be a number >= 0, got {alpha!r}")
-        for lo, hi in (self.system_tokens, self.user_tokens, self.output_tokens):
+        for name, (lo, hi) in (
+            ("system_tokens", self.system_tokens),
+            ("user_tokens", self.user_tokens),
+            ("output_tokens", self.output_tokens),
+        ):
             if not 1 <= lo <= hi:
-                raise ConfigError(f"token ranges need 1 <= min <= max: {self}")
+                raise ConfigError(f"{name} ({lo}, {hi}): a token range needs 1 <= min <= max")
         if self.max_context < self.system_tokens[1] + self.user_tokens[1]:
             raise ConfigError(f"max_context {self.max_context} cannot hold a first turn")
 

@@ -175,6 +175,7 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
         (["storage.py", "--workers", "100000"], "error: --workers 100000: must be at most 256"),
         (["storage.py", "--chunk-pages", "0"], "error: --chunk-pages 0: must be at least 1"),
         (["share.py", "--bandwidth-pages", "0"], "error: --bandwidth-pages 0: must be at least 1"),
+        (["fleet.py", "--system-tokens", "10", "5"], "error: system_tokens (10, 5): a token range needs 1 <= min"),
     ],
 )
 def test_a_bad_benchmark_flag_is_one_line_and_no_traceback(argv: list[str], says: str) -> None:
