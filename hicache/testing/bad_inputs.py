@@ -242,6 +242,21 @@ def catalogue() -> list[BadInput]:
         BadInput(
             "pages", "D2H with a duplicate destination", lambda: engine.d2h([0, 1], [2, 2]), PageOwnershipError, "twice"
         ),
+        BadInput("pages", "D2H with a bool page", lambda: engine.d2h([True], [0]), PageOwnershipError, "bool"),
+        BadInput(
+            "pages",
+            "D2H with pages in a set (no order)",
+            lambda: engine.d2h({0}, [1]),  # type: ignore[arg-type]
+            PageOwnershipError,
+            "got set",
+        ),
+        BadInput(
+            "pages",
+            "D2H with a 2-D page tensor",
+            lambda: engine.d2h(torch.zeros(1, 1, dtype=torch.int64), [1]),  # type: ignore[arg-type]
+            PageOwnershipError,
+            "1-D",
+        ),
         BadInput("pages", "L3 write to a slot out of range", lambda: storage.write([0], [4]), PageOwnershipError, "4"),
         BadInput(
             "storage", "path is a directory", lambda: StorageFile(G, 2, tempfile.gettempdir()), ConfigError, "directory"
