@@ -155,6 +155,8 @@ def torch_device(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{_shown(text)}: not a torch device (cpu, cuda or cuda:N)") from None
     if device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"{_shown(text)}: the benchmarks run on cpu or cuda")
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: there is one CPU device (cpu)")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{_shown(text)}: no CUDA device here")

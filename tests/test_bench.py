@@ -125,6 +125,7 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
         (["transfer.py", "--reps", "-1"], "error: --reps -1: must be at least 1"),
         (["transfer.py", "--device", "bogus"], "error: --device bogus: not a torch device"),
         (["transfer.py", "--device", "mps"], "error: --device mps: the benchmarks run on cpu or cuda"),
+        (["transfer.py", "--device", "cpu:1"], "error: --device cpu:1: there is one CPU device (cpu)"),
         (["transfer.py", "--backend", "cuda"], "error: --backend cuda: invalid choice"),
         (["transfer.py", "--pages", "99999999999"], "error: --pages 99999999999: must be at most 4096"),
         (["transfer.py", "--tag", "a/b"], "error: --tag a/b: must be a plain file name part"),
