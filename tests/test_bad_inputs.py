@@ -21,6 +21,7 @@ def test_bad_input_is_refused_clearly(case: BadInput) -> None:
     with pytest.raises(case.error) as info:
         case.run()
     assert case.message in str(info.value), str(info.value)
+    assert type(info.value) is case.error, f"{type(info.value).__name__}, not the {case.error.__name__} listed"
     if case.state is not None:
         assert case.state() == before, "a refused call changed the state"
 

@@ -51,7 +51,15 @@ from hicache.core.protocols import DeviceMover, PageVerifier, StorageMover, Stor
 from hicache.core.status import ControllerStatus
 from hicache.core.tokens import as_tokens, plain_int
 from hicache.core.tree import MatchResult, TierMatch
-from hicache.errors import ConfigError, HandleError, HiCacheError, IntegrityError, MisuseError, TransitionRefused
+from hicache.errors import (
+    ConfigError,
+    HandleError,
+    HiCacheError,
+    IntegrityError,
+    MisuseError,
+    PageOwnershipError,
+    TransitionRefused,
+)
 from hicache.spec.invariants import Violation, check_all
 from hicache.spec.model import Direction, Tier
 from hicache.spec.request import ReqEvent, ReqState, request_step
@@ -408,9 +416,9 @@ class Controller:
         own = [DevicePage(p) for p in given if type(p) is int]
         if len(own) != len(given):
             odd = next(p for p in given if type(p) is not int)
-            raise MisuseError(f"insert: page ids must be ints, got {odd!r} ({type(odd).__name__})")
+            raise PageOwnershipError(f"insert: page ids must be ints, got {odd!r} ({type(odd).__name__})")
         if len(set(own)) != len(own) or not mine.issuperset(own):
-            raise MisuseError(
+            raise PageOwnershipError(
                 f"insert: pages must be distinct private pages allocated for this request; {self._odd(req, own)}"
             )
         need = aligned // ps - req.cached_len // ps
@@ -546,9 +554,10 @@ class Controller:
                 raise MisuseError(
                     f"start_restore: {len(layer_events)} layer_events for {layers} layers (give one per layer)"
                 )
-            bad = next((e for e in layer_events if not callable(getattr(e, "record", None))), None)
-            if bad is not None:
-                raise MisuseError(f"start_restore: layer_events must be events (torch.cuda.Event), got {bad!r:.60}")
+            # NOTE: a list, not next(..., None): a None among them is one to report
+            bad = [e for e in layer_events if not callable(getattr(e, "record", None))][:1]
+            if bad:
+                raise MisuseError(f"start_restore: layer_events must be events (torch.cuda.Event), got {bad[0]!r:.60}")
         if req.state is not ReqState.ADMITTED:
             raise MisuseError(f"start_restore: request #{req.id} is {req.state.value}; restore right after admit")
         plan = plan or self.plan(req)

@@ -162,6 +162,7 @@ def test_wrong_layer_events_are_refused_before_room_is_made() -> None:
         ([None] * 3, r"^start_restore: 3 layer_events for 2 layers \(give one per layer\)$"),
         ([None], r"^start_restore: 1 layer_events for 2 layers"),
         ([1, 2], r"^start_restore: layer_events must be events \(torch.cuda.Event\), got 1$"),
+        ([None, None], r"^start_restore: layer_events must be events \(torch.cuda.Event\), got None$"),
     ):
         with pytest.raises(MisuseError, match=match):
             cache.start_restore(req, layer_events=events)

@@ -15,7 +15,7 @@ from hicache.core.cache import CacheCore
 from hicache.core.controller import Controller, Request, WritePolicy
 from hicache.core.cost import CostModel, CostPriors, Plan
 from hicache.core.geometry import TierSizes
-from hicache.errors import ConfigError, HandleError, MisuseError
+from hicache.errors import ConfigError, HandleError, MisuseError, PageOwnershipError
 from hicache.spec.model import Tier
 from hicache.spec.request import ReqState
 from hicache.testing.tag_movers import TagDevice, TagFabric
@@ -94,8 +94,10 @@ def test_a_refused_argument_is_named_with_its_call(want: str, call: Callable[[Co
     (or its type); the request can still be prefilled afterwards."""
     c, _ = _make()
     req = c.admit([1, 2, 3, 4])
-    with pytest.raises(MisuseError, match=want):
+    with pytest.raises(MisuseError, match=want) as refused:
         call(c, req)
+    # NOTE: pages the request does not own are the typed refusal DESIGN.md names
+    assert isinstance(refused.value, PageOwnershipError) == want.startswith("^insert: pages must be distinct")
     pages = c.allocate(req, 2)
     assert pages is not None and c.insert(req, pages) == 4
     c.release(req)

@@ -12,7 +12,7 @@ import torch
 
 from hicache import HiCache, HiCacheConfig
 from hicache.core.geometry import KVGeometry
-from hicache.errors import MisuseError
+from hicache.errors import MisuseError, PageOwnershipError
 
 G = KVGeometry(2, 1, 4, 2, torch.float32)
 
@@ -92,8 +92,12 @@ def test_insert_refuses_page_ids_that_are_not_ints_and_changes_nothing(bad: obje
         pages = c.allocate(req, 5)
         assert pages == [0, 1, 2, 3, 4]
         before = c.status()
-        with pytest.raises(MisuseError, match=f"^insert: {re.escape(says)}"):
+        with pytest.raises(MisuseError, match=f"^insert: {re.escape(says)}") as refused:
             c.insert(req, bad(pages[:4]))  # type: ignore[operator]
+        # NOTE: a page that is not an id of the caller's (not an int, given twice) is the
+        # typed PageOwnershipError; a container that is not ids at all the plain MisuseError
+        owned = says.startswith(("page ids", "pages must be distinct"))
+        assert type(refused.value) is (PageOwnershipError if owned else MisuseError)
         assert c.status() == before and req.private == pages and req.cached_len == 0
         assert c.insert(req, pages[:4]) == 8  # the request goes on as if nothing was tried
         c.release(req)
