@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import operator
 import os
+import pickle
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -203,6 +204,28 @@ def _check_weights_fit(model: str, config: Any, dtype: torch.dtype, device: torc
         )
 
 
+def _safetensors_errors() -> tuple[type[BaseException], ...]:
+    """The error safetensors raises for a weights file it cannot parse (none without it)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return ()
+    return (SafetensorError,)
+
+
+# transformers' word for a checkpoint it cannot read, and the loaders' for weights files cut
+# short or overwritten (safetensors' header, torch.load's pickle or zip)
+_UNREADABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    ValueError,
+    KeyError,
+    EOFError,
+    RuntimeError,
+    pickle.UnpicklingError,
+    *_safetensors_errors(),
+)
+
+
 def build_model(
     model: str,
     *,
@@ -241,7 +264,9 @@ def build_model(
             net = AutoModelForCausalLM.from_pretrained(
                 model, dtype=dtype, attn_implementation=ATTENTION, local_files_only=True
             ).to(device)
-        except (OSError, ValueError, KeyError) as exc:  # transformers' word for a checkpoint it cannot read
+        except torch.OutOfMemoryError:
+            raise  # NOTE: a checkpoint too large for the device is not an unreadable one
+        except _UNREADABLE as exc:
             raise ConfigError(f"model {model!r}: not a checkpoint transformers can load ({exc})") from exc
     else:
         raise ConfigError(

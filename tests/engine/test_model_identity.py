@@ -6,6 +6,7 @@ never reads the first one's pages; the same weights do, after a restart."""
 from __future__ import annotations
 
 import copy
+import os
 import random
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 
 from hicache.engine import Engine, build_model
 from hicache.engine.model import model_identity, weights_digest
+from hicache.errors import ConfigError
 
 pytest.importorskip("transformers")
 
@@ -134,3 +136,22 @@ def test_a_checkpoint_with_a_file_name_not_in_utf8_has_an_identity_and_shares(tm
     assert model_identity(str(d)) != plain  # the file counts
     first = _fill(tmp_path / "kv", model=str(d))
     assert _second_run(tmp_path / "kv", None, model=str(d)) == (64, first)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "garbage-bin"])
+def test_a_checkpoint_whose_weights_file_is_damaged_is_a_config_error(tmp_path: Path, damage: str) -> None:
+    """A weights file cut short or overwritten is a checkpoint transformers cannot load: a
+    ConfigError naming it (the CLI's one-line error), not the loader's own exception."""
+    d = tmp_path / "ck"
+    build_model("tiny", device="cpu", seed=0).save_pretrained(d)  # type: ignore[operator]
+    weights = d / "model.safetensors"
+    if damage == "truncated":
+        os.truncate(weights, weights.stat().st_size // 2)
+    else:
+        garbage = bytes(range(256)) * 64
+        if damage == "garbage-bin":  # the pickle format transformers falls back to
+            weights.unlink()
+            weights = d / "pytorch_model.bin"
+        weights.write_bytes(garbage)
+    with pytest.raises(ConfigError, match=r"not a checkpoint transformers can load"):
+        build_model(str(d), device="cpu")
