@@ -491,6 +491,7 @@ class Engine:
 
     def state_of(self, rid: int) -> SeqState | None:
         """Where request ``rid`` is in the loop; None once finished (or never submitted)."""
+        self._check_thread()  # NOTE: the scheduler's queues change under another thread's walk
         rid = _check_rid("state_of", rid)
         seq = self._active.get(rid)
         if seq is not None:
@@ -500,6 +501,7 @@ class Engine:
     @property
     def pending(self) -> int:
         """Requests submitted and not yet finished or aborted."""
+        self._check_thread()
         return len(self._waiting) + len(self._active)
 
     def step(self) -> list[Output]:

@@ -453,7 +453,9 @@ def test_a_drain_during_a_restore_leaves_the_engine_able_to_finish_it() -> None:
     e.close()
 
 
-@pytest.mark.parametrize("call", ["abort", "close", "submit", "step", "run", "generate", "status"])
+@pytest.mark.parametrize(
+    "call", ["abort", "close", "submit", "step", "run", "generate", "status", "state_of", "pending"]
+)
 def test_a_call_from_another_thread_is_refused_before_it_changes_anything(call: str) -> None:
     """The engine, like its cache, is single-threaded: a call from another thread raises
     MisuseError and leaves the request where it was (an abort from another thread had dropped
@@ -473,6 +475,8 @@ def test_a_call_from_another_thread_is_refused_before_it_changes_anything(call: 
         "run": e.run,
         "generate": lambda: e.generate([5, 6, 7]),
         "status": e.status,
+        "state_of": lambda: e.state_of(rid),
+        "pending": lambda: e.pending,
     }
     raised: list[BaseException] = []
 
