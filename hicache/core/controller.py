@@ -43,7 +43,7 @@ from typing import Any
 from hicache.core.cache import CacheCore
 from hicache.core.cost import CostModel, Plan
 from hicache.core.geometry import DevicePage
-from hicache.core.interrupts import atomic, hold_sigint, interruptible, release_sigint
+from hicache.core.interrupts import atomic, from_signal, hold_signals, interruptible, release_signals
 from hicache.core.keys import page_keys
 from hicache.core.metrics import Levels, Metrics
 from hicache.core.node import Lease, Node, Transfer
@@ -230,10 +230,10 @@ class Controller:
         self._owner = threading.get_ident()
         self.closed = False
         # NOTE: last: a refused construction holds nothing; one collected unclosed lets go
-        self._sigint: weakref.finalize[Any, Any] | None = None
-        if hold_sigint():
-            self._sigint = weakref.finalize(self, release_sigint)
-            self._sigint.atexit = False
+        self._signals: weakref.finalize[Any, Any] | None = None
+        if hold_signals():
+            self._signals = weakref.finalize(self, release_signals)
+            self._signals.atexit = False
 
     # -- guards ------------------------------------------------------------------------------
 
@@ -696,6 +696,8 @@ class Controller:
         try:
             return settle is not None and bool(settle())  # the ticket's settle: whether it waited
         except Exception as exc:  # a mover's bug: the next poll finds it, through _landed
+            if from_signal(exc):
+                raise  # NOTE: a signal handler's (a timeout's) while it waited: the caller's to hear
             log.warning("hicache: H2D ticket's settle raised: %r", exc)
             return False
 
@@ -712,6 +714,8 @@ class Controller:
             if job.ticket.poll():
                 return True
         except Exception as exc:
+            if from_signal(exc):
+                raise  # NOTE: a signal handler's (a timeout's) while it waited: the copy goes on
             log.warning("hicache: %s ticket raised: %r", name, exc)
             job.broken = f"the {name} ticket raised {exc!r}"
             return True
@@ -726,6 +730,8 @@ class Controller:
         try:
             return bool(job.ticket.cancel())
         except Exception as exc:
+            if from_signal(exc):
+                raise
             log.warning("hicache: %s ticket's cancel raised: %r", job.transfer.direction.name, exc)
             return False
 
@@ -779,9 +785,11 @@ class Controller:
             core.fail(transfer)
             raise
         except Exception as exc:  # a mover that could not issue: the transfer failed, nothing else
-            log.warning("hicache: %s could not be issued: %r", direction.name, exc)
             core.fail(transfer)
             self.metrics.directions[direction.name].failed += 1
+            if from_signal(exc):
+                raise  # NOTE: a signal handler's (a timeout's) while the mover issued it: as an interrupt
+            log.warning("hicache: %s could not be issued: %r", direction.name, exc)
             return None
         except BaseException:
             # NOTE: an interrupt (Ctrl-C) while the mover issued it: no job will ever end this
@@ -1185,8 +1193,8 @@ class Controller:
         self._stragglers.clear()
         self._unreported.clear()
         self.closed = True
-        if self._sigint is not None:
-            self._sigint()  # NOTE: once: a finalizer runs at most once
+        if self._signals is not None:
+            self._signals()  # NOTE: once: a finalizer runs at most once
 
 
 _RESTORING = (ReqState.LOADING_L3, ReqState.LOADING_L2)

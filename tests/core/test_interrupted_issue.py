@@ -382,3 +382,132 @@ def test_a_mover_blocked_while_issuing_a_copy_can_be_interrupted(
         serve(cache, prompt)
         nothing_held(cache)
     cache.close()
+
+
+class Timeout(Exception):
+    """What a timeout's signal handler raises (``signal.alarm`` and a handler that raises)."""
+
+
+_OTHER_SIGNALS = [getattr(signal, n) for n in ("SIGALRM", "SIGTERM", "SIGUSR1") if hasattr(signal, n)]
+
+
+@pytest.mark.parametrize("signum", _OTHER_SIGNALS, ids=lambda s: signal.Signals(s).name)
+@pytest.mark.parametrize("step", CORE_STEPS)
+def test_a_signal_handler_that_raises_inside_the_bookkeeping_raises_when_the_call_returns(
+    signum: int, step: str, armed: Armed, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Python handler of another signal than SIGINT (a timeout's SIGALRM, a SIGTERM that
+    exits) that raises is held like Ctrl-C: its exception comes out of the cache call once
+    the call has done all it does, nothing stays held once the caller releases what it has,
+    every page served afterwards is the page written, and the handler is the caller's again
+    once the cache closes."""
+    raised: list[int] = []
+
+    def timeout(sig: int, frame: object) -> None:
+        raised.append(sig)
+        raise Timeout
+
+    before = signal.signal(signum, timeout)
+    try:
+        cache = make(armed, tmp_path)
+        core = cache.controller.core
+        real = getattr(core, step)
+        calls = [0]
+
+        def then_signal(*args: Any, **kwargs: Any) -> Any:
+            out = real(*args, **kwargs)
+            calls[0] += 1
+            if calls[0] == 1:
+                signal.raise_signal(signum)
+            return out
+
+        monkeypatch.setattr(core, step, then_signal)
+        timeouts = 0
+        for prompt in (A, B, C, A, B):
+            try:
+                serve(cache, prompt)
+                cache.drain()
+            except Timeout:
+                timeouts += 1
+                for req in cache.requests():
+                    cache.release(req)
+            nothing_held(cache)
+        assert timeouts == len(raised) == (1 if calls[0] else 0)
+        monkeypatch.setattr(core, step, real)
+        for prompt in (A, B, C, A):
+            serve(cache, prompt)
+            nothing_held(cache)
+        cache.close()
+        assert signal.getsignal(signum) is timeout or interrupts._Held.users  # others' caches hold it
+    finally:
+        signal.signal(signum, before)
+
+
+def test_a_signal_at_its_default_action_or_ignored_is_left_alone(armed: Armed, tmp_path: Any) -> None:
+    """Only Python handlers of the other signals are held: a signal at its default action
+    (it ends the process: nothing to raise) or ignored keeps its handler."""
+    if not hasattr(signal, "SIGUSR2") or not hasattr(signal, "SIGHUP"):
+        pytest.skip("no SIGUSR2 / SIGHUP here")
+    before = signal.signal(signal.SIGUSR2, signal.SIG_DFL), signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        cache = make(armed, tmp_path)
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        cache.close()
+    finally:
+        signal.signal(signal.SIGUSR2, before[0])
+        signal.signal(signal.SIGHUP, before[1])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="no SIGALRM here")
+@pytest.mark.parametrize("wait_in", ["restore", "drain"])
+def test_a_timeout_while_the_cache_waits_for_a_copy_reaches_the_caller(
+    wait_in: str, armed: Armed, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocking wait (``restore``, ``drain``) is not held: a SIGALRM handler's exception
+    raised while it waits for a ticket reaches the caller at once, and is not taken for the
+    ticket's failure (which would fail a copy that is fine, and swallow the timeout). The
+    copy then lands as usual: nothing is lost, and every page served is the page written."""
+    from hicache.backends.ticket import Ticket
+
+    def timeout(signum: int, frame: object) -> None:
+        raise Timeout
+
+    before = signal.signal(signal.SIGALRM, timeout)
+    try:
+        cache = make(armed, tmp_path)
+        for prompt in (A, B):
+            serve(cache, prompt)
+            cache.drain()
+        real = Ticket.wait
+        fired = [0]
+
+        def wait_then_signal(self: Ticket) -> bool:
+            if not fired[0]:
+                fired[0] = 1
+                signal.raise_signal(signal.SIGALRM)
+            return real(self)
+
+        req = cache.admit(A) if wait_in == "restore" else None
+        if req is not None:
+            assert req.hit[1] > 0  # in L2, not in L1: restore() waits for its H2D
+        else:
+            serve(cache, C)  # leaves its write-through copies in flight for drain()
+        monkeypatch.setattr(Ticket, "wait", wait_then_signal)
+        with pytest.raises(Timeout):
+            if req is not None:
+                cache.restore(req)
+            else:
+                cache.drain()
+        assert fired[0] == 1
+        monkeypatch.setattr(Ticket, "wait", real)
+        if req is not None:
+            cache.release(req)
+        nothing_held(cache)
+        assert all(d["failed"] == 0 for d in cache.status().metrics["directions"].values())
+        for prompt in (A, B, C, A):
+            serve(cache, prompt)
+            nothing_held(cache)
+        cache.close()
+    finally:
+        signal.signal(signal.SIGALRM, before)

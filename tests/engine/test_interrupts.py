@@ -6,6 +6,7 @@ tokens of a recompute (no page the tree owns was written by a request retried ov
 from __future__ import annotations
 
 import functools
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -246,3 +247,67 @@ def test_an_interrupt_while_a_request_is_requeued_loses_nothing(how: str) -> Non
     finally:
         ref.close()
         e.close()
+
+
+class Timeout(Exception):
+    """What a timeout's SIGALRM handler raises."""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="no SIGALRM here")
+@pytest.mark.parametrize("nth", [1, 3])
+@pytest.mark.parametrize("step", ["adopt", "free_private", "lock", "release", "start", "complete", "evict_node"])
+def test_a_timeout_raised_by_a_signal_handler_inside_the_bookkeeping_loses_nothing(step: str, nth: int) -> None:
+    """A SIGALRM handler that raises (``signal.alarm`` with a timeout), the signal coming in
+    the middle of the cache's bookkeeping (right after the core's ``step``): the exception
+    comes out of the step once the cache call has done all it does, every request finishes
+    exactly once, nothing stays held and every later request gets a recompute's tokens."""
+    want = reference()
+    raised: list[int] = []
+
+    def timeout(signum: int, frame: object) -> None:
+        raised.append(signum)
+        raise Timeout
+
+    before = signal.signal(signal.SIGALRM, timeout)
+    e = engine()  # NOTE: after the handler is set: a cache holds the handlers in place when it opens
+    try:
+        core = e.cache.controller.core
+        real: Callable[..., Any] = getattr(core, step)
+        calls = [0]
+
+        def then_signal(*args: Any, **kwargs: Any) -> Any:
+            out = real(*args, **kwargs)
+            calls[0] += 1
+            if calls[0] == nth:
+                signal.raise_signal(signal.SIGALRM)
+            return out
+
+        setattr(core, step, then_signal)
+        ids: dict[int, tuple[int, ...]] = {}
+        outs: list[Any] = []
+        caught = 0
+        for _ in range(3):
+            for p in PROMPTS:
+                ids[e.submit(p, max_new_tokens=3)] = tuple(p)
+        for _ in range(500):  # NOTE: bounded; a few dozen steps serve them all
+            if not e.pending:
+                break
+            try:
+                outs.extend(e.step())
+            except Timeout:
+                caught += 1
+        assert not e.pending
+        assert caught == len(raised) == (1 if calls[0] >= nth else 0)
+        assert sorted(o.id for o in outs) == sorted(ids)  # each request finished exactly once
+        for o in outs:
+            assert o.error is None or o.error == "interrupted: Timeout", o.error
+            if o.error is None:
+                assert o.tokens == want[ids[o.id]], (o.id, ids[o.id])
+        check_clean(e)
+        setattr(core, step, real)
+        for p in PROMPTS:
+            assert e.generate(p, max_new_tokens=3).tokens == want[tuple(p)], p
+        check_clean(e)
+    finally:
+        e.close()
+        signal.signal(signal.SIGALRM, before)
