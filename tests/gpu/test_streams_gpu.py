@@ -137,6 +137,17 @@ class Scene:
     def ids(self) -> list[int]:
         return list(range(self.span.start, self.span.stop))
 
+    def fresh_d2h(self) -> bool:
+        """The caller writes ``fresh`` into the span behind a long kernel and asks for its
+        D2H at once; whether L2 then holds ``fresh``."""
+        with torch.cuda.stream(self.caller):
+            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+            self.l1.buffer[:, :, self.span].copy_(self.fresh)
+            ticket = self.engine.d2h(self.ids(), list(range(self.pages)))
+        assert ticket.wait()
+        torch.cuda.synchronize()
+        return torch.equal(self.l2.buffer[:, :, : self.pages], self.fresh.cpu())
+
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("path", ["copy", "direct", "ring", "multi"])
@@ -152,13 +163,7 @@ def test_d2h_reads_the_pages_the_caller_just_wrote(
         pytest.skip("only a multi-chunk transfer uses the kernel stream")
     s = Scene(backend, path)
     drop(monkeypatch, wait)
-    with torch.cuda.stream(s.caller):
-        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-        s.l1.buffer[:, :, s.span].copy_(s.fresh)
-        ticket = s.engine.d2h(s.ids(), list(range(s.pages)))
-    assert ticket.wait()
-    torch.cuda.synchronize()
-    judge(torch.equal(s.l2.buffer[:, :, : s.pages], s.fresh.cpu()), wait)
+    judge(s.fresh_d2h(), wait)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -180,14 +185,8 @@ def test_without_cuda_python_the_ring_reads_this_transfers_page_ids(
         return upload(*args)
 
     monkeypatch.setattr(s.engine._ids, "upload", late)
-    with torch.cuda.stream(s.caller):
-        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-        s.l1.buffer[:, :, s.span].copy_(s.fresh)
-        ticket = s.engine.d2h(s.ids(), list(range(s.pages)))
-    assert ticket.wait()
-    torch.cuda.synchronize()
+    assert s.fresh_d2h()
     assert s.engine.paths["ring"] >= 3
-    assert torch.equal(s.l2.buffer[:, :, : s.pages], s.fresh.cpu())
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
