@@ -272,8 +272,9 @@ def _guarded(call: Callable[Concatenate[HiCache, P], R]) -> Callable[Concatenate
 
 
 class HiCache:
-    """The engine-facing cache: L1 (the engine's tensor, or one we allocate), pinned L2, an
-    L3 file, and a :class:`Controller` over them. Every call is the controller's (see
+    """The engine-facing cache: L1 (the engine's tensor, or one we allocate), L2 in host
+    memory (pinned where CUDA is), an L3 page store (a file, a directory, Mooncake Store or
+    one of your own), and a :class:`Controller` over them. Every call is the controller's (see
     :mod:`hicache.core.controller` for the contract)."""
 
     def __init__(

@@ -448,6 +448,23 @@ def test_warnings_reach_stderr_and_the_run_still_succeeds(capsys: pytest.Capture
     assert "warning: --hicache-storage-path has no effect without --enable-hicache" in err.splitlines()
 
 
+@pytest.mark.parametrize("ratio", ["0.1", "1"])
+def test_an_l2_smaller_than_a_prompt_is_a_warning_line(ratio: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Backups go to L3 through L2: with an L2 smaller than a prompt, the prompt never
+    reaches L3. The CLI says so at start (the hicache logger's warning is silent there)."""
+    argv = ["--enable-hicache", "--num-pages", "128", "--hicache-ratio", ratio, "--hicache-storage-ratio", "2"]
+    code, out, err = run_main([*argv, "--requests", "2"], capsys)
+    assert code == 0 and "2 requests: 2 served, 0 failed" in out, err
+    warned = [x for x in err.splitlines() if x.startswith("warning: L2 holds")]
+    if ratio == "1":
+        assert not warned, err
+    else:  # 12 L2 pages against the default workload's prompt of 350 + 8 tokens: 22 pages of 16
+        assert warned == [
+            "warning: L2 holds 12 pages, fewer than a prompt's 22: backups go to L3 through L2, so such a prompt "
+            "stays in L1 only and never reaches L3 (raise --hicache-ratio or --hicache-size)"
+        ]
+
+
 def test_a_run_without_a_terminal_says_how_far_it_got_on_stderr(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

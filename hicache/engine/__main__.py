@@ -193,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     storage = engine.cache.status().storage
     if storage and not storage.get("available", True):
         warn(f"L3 unavailable, running without it: {storage.get('error') or 'no reason given'}")
+    config = engine.cache.config
+    prompt_pages = (args.prefix_tokens + args.suffix_tokens) // args.page_size
+    if config.l3_pages and 0 < config.l2_pages < prompt_pages:  # NOTE: the log's warning is silent here
+        warn(
+            f"L2 holds {config.l2_pages} pages, fewer than a prompt's {prompt_pages}: backups go to L3 through L2, "
+            "so such a prompt stays in L1 only and never reaches L3 (raise --hicache-ratio or --hicache-size)"
+        )
     server = MetricsServer(args.metrics_port) if args.enable_metrics else None
     try:
         if server is not None:
