@@ -4,10 +4,12 @@ and a :class:`~hicache.core.controller.Controller`, and forwards the engine's ca
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -548,17 +550,42 @@ def _check_not_shared(buffer: torch.Tensor) -> None:
 def _close_unclosed(storage: StoreMover) -> None:
     """A cache with L3 storage was collected without ``close()``: close its storage on a
     thread of its own (a hung disk holds a close for up to the store's close timeout, and
-    the collection may run on the engine's thread)."""
+    the collection may run on the engine's thread). At exit (an open cache's finalizer runs
+    then) it closes here instead, and closers started before are waited for: a daemon thread
+    still in the store's or torch's code when the interpreter ends aborts the process."""
     if storage.closed:
         return
     # NOTE: the close first: under an "error" warnings filter the warning raises here
-    threading.Thread(target=_close_quietly, args=(storage,), name="hicache-l3-close", daemon=True).start()
+    if getattr(weakref.finalize, "_shutdown", False) or sys.is_finalizing():
+        _close_quietly(storage)
+    else:
+        closer = threading.Thread(target=_close_quietly, args=(storage,), name="hicache-l3-close", daemon=True)
+        closer.start()
+        _wait_at_exit(closer, storage.close_timeout_s)
     warnings.warn(
         "a HiCache with L3 storage was not closed: its storage is being closed (call close(), or use it as a "
         "context manager)",
         ResourceWarning,
         stacklevel=1,
     )
+
+
+_CLOSERS: dict[threading.Thread, float] = {}  # closers still running -> the most they may take (s)
+
+
+def _wait_at_exit(closer: threading.Thread, timeout_s: float) -> None:
+    for done in [t for t in _CLOSERS if not t.is_alive()]:
+        del _CLOSERS[done]
+    if not _CLOSERS:
+        atexit.unregister(_join_closers)
+        atexit.register(_join_closers)
+    _CLOSERS[closer] = timeout_s + 1.0
+
+
+def _join_closers() -> None:
+    for closer, timeout_s in list(_CLOSERS.items()):
+        closer.join(timeout_s)
+    _CLOSERS.clear()
 
 
 def _close_quietly(store: object) -> None:
