@@ -47,3 +47,22 @@ def test_the_catalogue_leaves_no_files_behind(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     left = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor")]  # torch's own cache
     assert not left
+
+
+def test_the_catalogue_printed_to_a_reader_that_went_away_ends_quietly() -> None:
+    """``python -m hicache.testing.bad_inputs | head -1``: the reader gone, the command
+    stops with 141 and no traceback, as the explorers do."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicache.testing.bad_inputs"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # NOTE: before it writes: every write then fails (EPIPE), deterministically
+    _, err = proc.communicate(timeout=300)
+    assert "Traceback" not in err, err[-2000:]
+    assert proc.returncode == 141, err[-2000:]

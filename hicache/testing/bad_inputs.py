@@ -8,6 +8,7 @@ must equal the state before it. ``python -m hicache.testing.bad_inputs`` prints 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -561,10 +562,22 @@ def markdown() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hicache.testing.bad_inputs``: the catalogue as markdown on stdout; 141 when
+    the reader went away (piped into ``head``), quietly, as a shell tool does."""
     from hicache.flags import ArgParser
 
     ArgParser(
         "python -m hicache.testing.bad_inputs", "Print the bad-input catalogue (docs/RELIABILITY.md) as markdown."
-    ).parse_args()
-    print(markdown())
+    ).parse_args(argv)
+    text = markdown()
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
