@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, cast
 
 import numpy as np
 import pytest
@@ -221,19 +221,40 @@ class _CheckedTicket:
 
 class CheckedMover:
     """The embedder's mover under the real machine, as it is, except that a ticket's
-    ``cancel`` that returns True is checked at once: its destination pages (still the
-    transfer's) are filled with NaN and the ticket waited for; a page that then holds
-    anything else means the withdrawn copy landed, where the cache has already given the
-    pages back. That is recorded in ``landed`` (the controller takes an exception from
-    ``cancel`` as "not withdrawn") and fails the next invariant check."""
+    ``cancel`` that returns True is checked: its destination pages (still the transfer's)
+    are filled with NaN and the ticket waited for; a page that then holds anything else
+    means the withdrawn copy landed, where the cache has already given the pages back. The
+    pages stay watched until something else writes them (a copy into them, the machine's
+    prefill: :meth:`written`), so a copy that lands later still shows (a ticket whose
+    ``wait`` returns at once once cancelled, the copy running on regardless: :meth:`recheck`,
+    at every invariant check). Either is recorded in ``landed`` (the
+    controller takes an exception from ``cancel`` as "not withdrawn") and fails the next
+    invariant check."""
 
     def __init__(self, real: Any, l1: torch.Tensor, l2: torch.Tensor) -> None:
         self.real = real
         self.views = {"D2H": l2, "H2D": l1.transpose(0, 2)}  # NOTE: page-major views
         self.landed: list[str] = []
+        self.watched: dict[tuple[str, int], None] = {}  # (direction, page) filled with NaN at a cancel, unwritten since
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
+
+    def written(self, direction: str, pages: Iterable[int]) -> None:
+        """``pages`` (of ``direction``'s destination pool) get a writer now (a copy into them,
+        the machine's prefill): their content is no longer the withdrawn copy's to keep."""
+        for p in pages:
+            self.watched.pop((direction, int(p)), None)
+
+    def recheck(self) -> None:
+        """A watched page that no longer holds NaN: a withdrawn copy landed after its wait."""
+        for direction, page in list(self.watched):
+            if not bool(torch.isnan(self.views[direction][page]).all()):
+                del self.watched[(direction, page)]
+                self.landed.append(
+                    f"the mover's cancel said it withdrew a {direction} copy, which landed after the ticket's wait "
+                    f"returned, in its destination page {page} (given back to the cache at the cancel, unwritten since)"
+                )
 
     def _checked(self, direction: str, dst: Sequence[int], ticket: Any) -> _CheckedTicket:
         view, pages = self.views[direction], list(dst)
@@ -248,14 +269,32 @@ class CheckedMover:
                     f"the mover's cancel said it withdrew a {direction} copy, which then landed in its "
                     f"destination pages {kept} (given back to the cache at the cancel)"
                 )
+            self.watched.update(dict.fromkeys((direction, p) for p in pages if p not in kept))
 
         return _CheckedTicket(ticket, withdrawn)
 
     def d2h(self, src: Sequence[int], dst: Sequence[int]) -> Any:
+        self.written("D2H", dst)
         return self._checked("D2H", dst, self.real.d2h(src, dst))
 
     def h2d(self, src: Sequence[int], dst: Sequence[int], layer_events: Sequence[Any] | None = None) -> Any:
+        self.written("H2D", dst)
         return self._checked("H2D", dst, self.real.h2d(src, dst, layer_events=layer_events))
+
+
+class _CheckedStorage:
+    """The real machine's L3 mover as it is; its reads (S2H, into L2 pages) are writers of
+    the pages :class:`CheckedMover` watches."""
+
+    def __init__(self, real: Any, checked: CheckedMover) -> None:
+        self.real, self.checked = real, checked
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def read(self, src: Any, dst: Sequence[int], *args: Any, **kwargs: Any) -> Any:
+        self.checked.written("D2H", dst)
+        return self.real.read(src, dst, *args, **kwargs)
 
 
 class ScheduledMover:
@@ -443,6 +482,8 @@ class FacadeMachine(RuleBasedStateMachine):
         if not self.scheduled:
             self.checked = CheckedMover(mover, c.l1.buffer, c.l2.page_buffer)
             c.controller.device = self.checked
+            if c.controller.storage is not None:
+                c.controller.storage = cast(Any, _CheckedStorage(c.controller.storage, self.checked))
             return
         host, dev = c.l2.page_buffer, c.l1.buffer.transpose(0, 2)  # NOTE: poison only: page order
 
@@ -483,6 +524,8 @@ class FacadeMachine(RuleBasedStateMachine):
 
     def _fill(self, tokens: tuple[int, ...], first_page: int, pages: Sequence[int]) -> None:
         ps = G.page_size
+        if self.checked is not None:
+            self.checked.written("H2D", pages)
         for i, p in enumerate(pages):
             end = min(len(tokens), (first_page + i + 1) * ps)
             self.c.l1.buffer[:, :, p] = page_content(tokens[:end])
@@ -834,6 +877,7 @@ class FacadeMachine(RuleBasedStateMachine):
     def withdrawn_copies_never_land(self) -> None:
         """A copy the mover's ``cancel`` withdrew writes nothing (real machine)."""
         if self.checked is not None:
+            self.checked.recheck()
             assert not self.checked.landed, self.checked.landed[0]
 
     @invariant()
