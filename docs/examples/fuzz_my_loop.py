@@ -138,6 +138,7 @@ def fuzz(
     the first broken check; returns the page-run and request transitions never taken."""
     machines = machines_over(l1=make_l1, device=make_mover)
     if sweep:
+        progress("the sweep: every page-run state, built by the cache's own calls")
         sweep_recipes(machines.scheduled, machines.shared)
     config = settings(
         max_examples=examples,
@@ -149,8 +150,14 @@ def fuzz(
         phases=[p for p in Phase if p is not Phase.explain],  # NOTE: explaining a failure traces every line: minutes
     )
     for machine in machines:
+        progress(f"{machine.__name__}: {examples} runs of up to {steps} steps")
         run_state_machine_as_test(machine, settings=config)
     return missing_transitions(machines)
+
+
+def progress(what: str) -> None:
+    """A line on stderr as each part starts (a run of many examples takes minutes)."""
+    print(f"fuzz: {what}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

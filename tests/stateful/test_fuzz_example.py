@@ -96,6 +96,7 @@ def test_the_example_fails_on_a_mover_that_corrupts_one_byte_as_testing_md_shows
         check=False,
     )
     assert done.returncode != 0
+    assert "fuzz: FacadeMachine: 20 runs of up to 40 steps" in done.stderr.splitlines()  # progress, as it starts
     said = [line for line in done.stderr.splitlines() if line and not line.startswith("  ")]
     at = 0
     for shown in block.group(1).splitlines():
