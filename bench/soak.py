@@ -35,7 +35,7 @@ from tqdm import tqdm
 from hicache.backends.faults import FaultKind
 from hicache.engine import Engine
 from hicache.engine.cli import ArgParser, add_engine_args, dtype_of, engine_from_args, served_from
-from hicache.flags import FlagError, positive_float
+from hicache.flags import FlagError, given_flags, positive_float
 
 FAULTS: list[tuple[FaultKind, str]] = [
     ("eio", "read"),
@@ -166,6 +166,9 @@ def resources(engine: Engine) -> dict[str, int]:
     return out
 
 
+_SIZED_HERE = {"enable_hicache", "hicache_ratio", "hicache_size", "hicache_storage_ratio", "hicache_storage_size"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ArgParser("python bench/soak.py", __doc__)
     add_engine_args(ap)
@@ -184,7 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     add_out_args(ap)
     ap.add_argument("--no-verify-pages", action="store_true", help="skip the per-page digests (for bisecting)")
     ap.set_defaults(num_pages=None)
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
+    # NOTE: the soak sizes L2 and L3 itself (about half the prefixes in L2, all in L3), hicache on
+    for dest in sorted(given_flags(ap, argv) & _SIZED_HERE):
+        print(
+            f"warning: --{dest.replace('_', '-')} has no effect in the soak (it sizes L2 and L3 itself)",
+            file=sys.stderr,
+        )
     if args.requests <= args.warmup:
         ap.error(f"--requests {args.requests}: must exceed --warmup {args.warmup} (the leak baseline is taken then)")
     cuda = str(args.device).startswith("cuda")

@@ -190,6 +190,19 @@ def test_a_bad_benchmark_flag_is_one_line_and_no_traceback(argv: list[str], says
     )
 
 
+def test_the_soak_warns_of_the_tier_flags_it_overrides() -> None:
+    """The soak sizes L2 and L3 itself: an L2/L3 size flag given is said to have no effect
+    (here before the run is refused at another flag, so nothing is built)."""
+    argv = ["soak.py", "--hicache-ratio", "2", "--hicache-storage-size", "1", "--page-size", "16", "--requests", "60"]
+    run = subprocess.run([sys.executable, *argv], cwd=ROOT / "bench", capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    warned = [ln for ln in run.stderr.splitlines() if ln.startswith("warning: ")]
+    assert warned == [
+        f"warning: --{flag} has no effect in the soak (it sizes L2 and L3 itself)"
+        for flag in ("hicache-ratio", "hicache-storage-size")
+    ]
+
+
 @pytest.mark.parametrize("script", ["bench_hicache.py", "bench_hicache_stress.py"])
 def test_a_refused_run_leaves_no_out_directory(script: str, tmp_path: Path) -> None:
     """--out names a directory to be made; a run refused at its flags (here --device) makes
