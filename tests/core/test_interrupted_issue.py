@@ -208,34 +208,45 @@ def test_ctrl_c_inside_the_bookkeeping_lands_when_the_call_returns(
     so releasing what the caller holds frees everything, and every page served afterwards
     is the page written."""
     cache = make(armed, tmp_path)
+    interrupted, calls = signal_in_the_bookkeeping(cache, monkeypatch, step, nth, signal.SIGINT, KeyboardInterrupt)
+    assert interrupted == (1 if calls >= nth else 0)
+    cache.close()
+
+
+def signal_in_the_bookkeeping(
+    cache: HiCache, monkeypatch: pytest.MonkeyPatch, step: str, nth: int, signum: int, raised: type[BaseException]
+) -> tuple[int, int]:
+    """Serve prompts with ``signum`` raised right after the ``nth`` call of the core's
+    ``step``, releasing what a ``raised`` out of a call cut short (as an engine does), with
+    nothing held after each; then serve again without it, every page the page written.
+    Returns (``raised`` caught, the step's calls)."""
     core = cache.controller.core
     real = getattr(core, step)
     calls = [0]
 
-    def then_ctrl_c(*args: Any, **kwargs: Any) -> Any:
+    def then_signal(*args: Any, **kwargs: Any) -> Any:
         out = real(*args, **kwargs)
         calls[0] += 1
         if calls[0] == nth:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signum)
         return out
 
-    monkeypatch.setattr(core, step, then_ctrl_c)
-    interrupted = 0
+    monkeypatch.setattr(core, step, then_signal)
+    caught = 0
     for prompt in (A, B, C, A, B):
         try:
             serve(cache, prompt)
             cache.drain()
-        except KeyboardInterrupt:
-            interrupted += 1
+        except raised:
+            caught += 1
             for req in cache.requests():  # what an engine does with the requests it cut short
                 cache.release(req)
         nothing_held(cache)
-    assert interrupted == (1 if calls[0] >= nth else 0)
     monkeypatch.setattr(core, step, real)
     for prompt in (A, B, C, A):
         serve(cache, prompt)
         nothing_held(cache)
-    cache.close()
+    return caught, calls[0]
 
 
 def stands_for(handler: object) -> object:
@@ -410,33 +421,8 @@ def test_a_signal_handler_that_raises_inside_the_bookkeeping_raises_when_the_cal
     before = signal.signal(signum, timeout)
     try:
         cache = make(armed, tmp_path)
-        core = cache.controller.core
-        real = getattr(core, step)
-        calls = [0]
-
-        def then_signal(*args: Any, **kwargs: Any) -> Any:
-            out = real(*args, **kwargs)
-            calls[0] += 1
-            if calls[0] == 1:
-                signal.raise_signal(signum)
-            return out
-
-        monkeypatch.setattr(core, step, then_signal)
-        timeouts = 0
-        for prompt in (A, B, C, A, B):
-            try:
-                serve(cache, prompt)
-                cache.drain()
-            except Timeout:
-                timeouts += 1
-                for req in cache.requests():
-                    cache.release(req)
-            nothing_held(cache)
-        assert timeouts == len(raised) == (1 if calls[0] else 0)
-        monkeypatch.setattr(core, step, real)
-        for prompt in (A, B, C, A):
-            serve(cache, prompt)
-            nothing_held(cache)
+        timeouts, calls = signal_in_the_bookkeeping(cache, monkeypatch, step, 1, signum, Timeout)
+        assert timeouts == len(raised) == (1 if calls else 0)
         cache.close()
         assert signal.getsignal(signum) is timeout or interrupts._Held.users  # others' caches hold it
     finally:

@@ -77,9 +77,11 @@ def interrupt_at(obj: Any, name: str, nth: int, after: bool) -> list[int]:
     return calls
 
 
-def serve(e: Engine, rounds: int) -> tuple[dict[int, tuple[int, ...]], list[Any], int]:
+def serve(
+    e: Engine, rounds: int, raised: type[BaseException] = Interrupt
+) -> tuple[dict[int, tuple[int, ...]], list[Any], int]:
     """Submit every prompt ``rounds`` times (evicting, restoring from L2 and L3), stepping
-    through interrupts; the ids submitted, the outputs, the interrupts caught."""
+    through interrupts (``raised``); the ids submitted, the outputs, the interrupts caught."""
     ids: dict[int, tuple[int, ...]] = {}
     outs: list[Any] = []
     caught = 0
@@ -89,14 +91,30 @@ def serve(e: Engine, rounds: int) -> tuple[dict[int, tuple[int, ...]], list[Any]
             for _ in range(2):
                 try:
                     outs.extend(e.step())
-                except Interrupt:
+                except raised:
                     caught += 1
     while e.pending:
         try:
             outs.extend(e.run())
-        except Interrupt:
+        except raised:
             caught += 1
     return ids, outs, caught
+
+
+def check_served(e: Engine, ids: dict[int, tuple[int, ...]], outs: list[Any], raised: str) -> None:
+    """Each request finished exactly once, with a recompute's tokens or ``interrupted:
+    <raised>``; nothing held; every prompt then served from what the run left in the cache
+    gets a recompute's tokens."""
+    want = reference()
+    assert sorted(o.id for o in outs) == sorted(ids)
+    for o in outs:
+        assert o.error is None or o.error == f"interrupted: {raised}", o.error
+        if o.error is None:
+            assert o.tokens == want[ids[o.id]], (o.id, ids[o.id])
+    check_clean(e)
+    for p in PROMPTS:
+        assert e.generate(p, max_new_tokens=3).tokens == want[tuple(p)], p
+    check_clean(e)
 
 
 def check_clean(e: Engine) -> None:
@@ -111,7 +129,6 @@ def check_clean(e: Engine) -> None:
 @pytest.mark.parametrize("nth", [1, 2, 5])
 @pytest.mark.parametrize("name", [*CACHE_CALLS, "forward", "_emit"])
 def test_an_interrupt_anywhere_in_a_step_loses_nothing_and_corrupts_nothing(name: str, nth: int, after: bool) -> None:
-    want = reference()
     e = engine()
     try:
         # the runner's forward, the cache's calls, and the engine's own emitting of an Output
@@ -120,15 +137,7 @@ def test_an_interrupt_anywhere_in_a_step_loses_nothing_and_corrupts_nothing(name
         calls = interrupt_at(target, name, nth, after)
         ids, outs, caught = serve(e, rounds=3)
         assert caught == (1 if calls[0] >= nth else 0)
-        assert sorted(o.id for o in outs) == sorted(ids)  # each request finished exactly once
-        for o in outs:
-            assert o.error is None or o.error == "interrupted: Interrupt", o.error
-            if o.error is None:
-                assert o.tokens == want[ids[o.id]], (o.id, ids[o.id])
-        check_clean(e)
-        for p in PROMPTS:  # served from whatever the interrupted run left in the cache
-            assert e.generate(p, max_new_tokens=3).tokens == want[tuple(p)], p
-        check_clean(e)
+        check_served(e, ids, outs, "Interrupt")  # the interrupt fires at the nth call only
     finally:
         e.close()
 
@@ -261,7 +270,6 @@ def test_a_timeout_raised_by_a_signal_handler_inside_the_bookkeeping_loses_nothi
     the middle of the cache's bookkeeping (right after the core's ``step``): the exception
     comes out of the step once the cache call has done all it does, every request finishes
     exactly once, nothing stays held and every later request gets a recompute's tokens."""
-    want = reference()
     raised: list[int] = []
 
     def timeout(signum: int, frame: object) -> None:
@@ -283,31 +291,10 @@ def test_a_timeout_raised_by_a_signal_handler_inside_the_bookkeeping_loses_nothi
             return out
 
         setattr(core, step, then_signal)
-        ids: dict[int, tuple[int, ...]] = {}
-        outs: list[Any] = []
-        caught = 0
-        for _ in range(3):
-            for p in PROMPTS:
-                ids[e.submit(p, max_new_tokens=3)] = tuple(p)
-        for _ in range(500):  # NOTE: bounded; a few dozen steps serve them all
-            if not e.pending:
-                break
-            try:
-                outs.extend(e.step())
-            except Timeout:
-                caught += 1
-        assert not e.pending
+        ids, outs, caught = serve(e, rounds=3, raised=Timeout)
         assert caught == len(raised) == (1 if calls[0] >= nth else 0)
-        assert sorted(o.id for o in outs) == sorted(ids)  # each request finished exactly once
-        for o in outs:
-            assert o.error is None or o.error == "interrupted: Timeout", o.error
-            if o.error is None:
-                assert o.tokens == want[ids[o.id]], (o.id, ids[o.id])
-        check_clean(e)
         setattr(core, step, real)
-        for p in PROMPTS:
-            assert e.generate(p, max_new_tokens=3).tokens == want[tuple(p)], p
-        check_clean(e)
+        check_served(e, ids, outs, "Timeout")
     finally:
         e.close()
         signal.signal(signal.SIGALRM, before)
