@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hicache.backends.transfer import current_stream
 from hicache.engine.attention import MAX_QUERY_TOKENS, paged_attention_triton
 from hicache.errors import ConfigError
 
@@ -402,7 +401,7 @@ def _fused_attention(
     qkv = F.linear(hidden_states, self._hicache_qkv, self._hicache_qkv_bias).view(b * q, -1)
     layer = int(self.layer_idx)
     if batch.layer_ready is not None:  # a restore still landing: this layer's pages first
-        batch.layer_ready[layer].wait(current_stream(None))
+        batch.layer_ready[layer].wait(torch.cuda.current_stream())
     buf = batch.pool.buffer
     kv_heads, d = buf.shape[-2], buf.shape[-1]
     cos, sin = (t.expand(b, q, d).reshape(b * q, d) for t in position_embeddings)

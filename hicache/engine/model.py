@@ -32,7 +32,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hicache.backends import dma, kernels
 from hicache.backends.pools import DevicePool
-from hicache.backends.transfer import current_stream
 from hicache.core.geometry import KVGeometry
 from hicache.engine import attention as paged
 from hicache.engine import fused
@@ -120,7 +119,7 @@ def paged_attention(
     layer_idx: Any = module.layer_idx
     layer = int(layer_idx)
     if batch.layer_ready is not None:  # a restore still landing: this layer's pages first
-        batch.layer_ready[layer].wait(current_stream(None))
+        batch.layer_ready[layer].wait(torch.cuda.current_stream())
     buf = batch.pool.buffer
     heads, dim = buf.shape[-2], buf.shape[-1]
     k_pool = buf[0, layer].view(-1, heads, dim)
@@ -475,7 +474,6 @@ class ModelRunner:
         self._capture_stream: Any = None  # where the other graphs are captured
         self._issue: Any = None  # where work queued in after() runs: behind a mark() only
         self._mark: Any = None
-        self._index: int | None = None  # the CUDA device's index, for current_stream
         self._caller: Any = None  # the caller's stream, while inside after()
         self._layered_done: Any = None
         layers = pool.geometry.num_layers
@@ -498,7 +496,6 @@ class ModelRunner:
             self._capture_stream = _own_stream(pool.device, "capture", priority=0)
             self._issue = _own_stream(pool.device, "issue", priority=-1)
             self._mark = make()
-            self._index = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
             self._layered_done = make()
             self._upload_kernel = self._warm_upload()
             if (LAYER_SIGNALS if layer_signals is None else layer_signals) and dma.values_usable():
@@ -573,7 +570,7 @@ class ModelRunner:
         """Mark the caller's stream now, for :meth:`after` (None on CPU)."""
         if self._mark is None:
             return None
-        self._mark.record(current_stream(self._index))
+        self._mark.record(torch.cuda.current_stream(self.pool.device))
         return self._mark
 
     @contextlib.contextmanager
@@ -591,7 +588,7 @@ class ModelRunner:
             yield
             return
         self._issue.wait_event(mark)
-        self._caller = current_stream(self._index)
+        self._caller = torch.cuda.current_stream(self.pool.device)
         try:
             with torch.cuda.stream(self._issue):
                 yield
@@ -602,7 +599,7 @@ class ModelRunner:
         """Order the caller's stream after every layered forward launched so far (before it
         reads their outputs or pages, or hands their pages to someone else)."""
         if self._side is not None:
-            current_stream(self._index).wait_stream(self._side)
+            torch.cuda.current_stream(self.pool.device).wait_stream(self._side)
             if self._caller is not None:  # inside after(): the pages' next users run there too
                 self._caller.wait_stream(self._side)
 
@@ -650,7 +647,7 @@ class ModelRunner:
                     self.signals.wait_all(self._side)
                     self.signals.reset(self._side)
                 return logits
-            self._side.wait_stream(current_stream(self._index))  # pages' previous users
+            self._side.wait_stream(torch.cuda.current_stream(self.pool.device))  # pages' previous users
             with torch.cuda.stream(self._side):
                 logits = self._forward(seqs, True, into)
                 if self.signals is not None:
