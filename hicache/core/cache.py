@@ -31,7 +31,7 @@ from hicache.core.geometry import DevicePage, HostPage, StorageSlot, TierSizes
 from hicache.core.keys import page_keys
 from hicache.core.node import Lease, Node, Transfer
 from hicache.core.status import CoreStatus, TierStatus
-from hicache.core.tokens import as_tokens
+from hicache.core.tokens import as_tokens, plain_int
 from hicache.core.tree import HiRadixTree, MatchResult, TierMatch
 from hicache.errors import ConfigError, HandleError, IntegrityError, MisuseError, PageOwnershipError, TransitionRefused
 from hicache.spec.invariants import check_all
@@ -170,6 +170,13 @@ class CacheCore:
         toks = as_tokens(tokens)
         ps = self.page_size
         aligned = len(toks) - len(toks) % ps
+        # NOTE: types first, by type, not by equality: 0.0, False or np.float64(0) equal page 0
+        # and would be published as ids the allocator refuses at eviction (pages then ownerless)
+        given = [plain_int(p) for p in pages]  # numpy integers as the ints they hold
+        odd = next((p for p in given if type(p) is not int), None)
+        if odd is not None:
+            raise PageOwnershipError(f"insert: page ids must be ints, got {odd!r} ({type(odd).__name__})")
+        pages = cast(list[DevicePage], given)
         if len(pages) != aligned // ps:
             raise MisuseError(f"insert needs {aligned // ps} pages for {aligned} aligned tokens, got {len(pages)}")
         if len(set(pages)) != len(pages):

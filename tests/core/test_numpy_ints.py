@@ -5,14 +5,17 @@ numpy floats and bools are still refused."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 
 from hicache import HiCache, HiCacheConfig
-from hicache.core.geometry import KVGeometry
+from hicache.core.cache import CacheCore
+from hicache.core.geometry import KVGeometry, TierSizes
 from hicache.errors import MisuseError, PageOwnershipError
+from hicache.spec.model import Tier
 
 G = KVGeometry(2, 1, 4, 2, torch.float32)
 
@@ -102,3 +105,23 @@ def test_insert_refuses_page_ids_that_are_not_ints_and_changes_nothing(bad: obje
         assert c.insert(req, pages[:4]) == 8  # the request goes on as if nothing was tried
         c.release(req)
         c.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [float, np.float64, lambda p: bool(p) if p in (0, 1) else p, lambda p: np.array([p], dtype=np.float32)[0]],
+    ids=["float", "numpy float", "bool", "numpy float32"],
+)
+def test_core_insert_refuses_ids_equal_to_a_private_page_that_are_not_ints(bad: Callable[[int], object]) -> None:
+    """``CacheCore.insert`` checks ids by type: 0.0 or False equal (and hash as) page 0, and
+    the tree would publish them as page ids, which the allocator refuses at eviction."""
+    core = CacheCore(2, TierSizes(8, 8, 8))
+    pages = core.allocate_l1(2)
+    assert pages == [0, 1]
+    with pytest.raises(PageOwnershipError, match=r"^insert: page ids must be ints, got"):
+        core.insert((1, 2, 3, 4), [bad(p) for p in pages])  # type: ignore[misc]
+    assert core.private == {0, 1} and not core.tree.root.children
+    result = core.insert((1, 2, 3, 4), [np.int64(p) for p in pages])  # type: ignore[misc]  # numpy ints are ids
+    assert result.node is not None and [type(p) for p in result.node.pages[Tier.L1] or []] == [int, int]
+    assert core.evict(Tier.L1, 8) == 2 and core.l1.num_free == 8
+    core.check_integrity()
