@@ -38,7 +38,7 @@ from hicache.engine import fused
 from hicache.engine.attention import visible as visible  # re-exported: the mask rule lives with the kernel
 from hicache.engine.signals import LayerSignals
 from hicache.engine.signals import probe as probe_signals
-from hicache.errors import ConfigError, MisuseError
+from hicache.errors import ConfigError, MisuseError, is_out_of_memory
 
 ATTENTION = "hicache_paged"
 AttentionImpl = Literal["auto", "paged", "gqa", "fold"]
@@ -266,6 +266,8 @@ def build_model(
         except torch.OutOfMemoryError:
             raise  # NOTE: a checkpoint too large for the device is not an unreadable one
         except _UNREADABLE as exc:
+            if is_out_of_memory(exc):  # NOTE: torch's host allocator fails with a plain RuntimeError
+                raise
             raise ConfigError(f"model {model!r}: not a checkpoint transformers can load ({exc})") from exc
     else:
         raise ConfigError(

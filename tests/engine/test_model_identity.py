@@ -155,3 +155,30 @@ def test_a_checkpoint_whose_weights_file_is_damaged_is_a_config_error(tmp_path: 
         weights.write_bytes(garbage)
     with pytest.raises(ConfigError, match=r"not a checkpoint transformers can load"):
         build_model(str(d), device="cpu")
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: 4 GB"),
+        MemoryError(),
+    ],
+)
+def test_a_checkpoint_that_runs_the_host_out_of_memory_is_not_called_unreadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: BaseException
+) -> None:
+    """torch's host allocator fails with a plain RuntimeError, one of the loaders' words for
+    a damaged file: out of memory, it goes on as itself (the CLI's out-of-memory line, exit
+    1), not as a ConfigError about ``--model`` (exit 2)."""
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / "ck"
+    build_model("tiny", device="cpu", seed=0).save_pretrained(d)  # type: ignore[operator]
+
+    def load(*args: object, **kwargs: object) -> object:
+        raise exc
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load)
+    with pytest.raises(type(exc)) as raised:
+        build_model(str(d), device="cpu")
+    assert raised.value is exc
