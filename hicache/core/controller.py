@@ -664,9 +664,14 @@ class Controller:
     @atomic
     def _end_job(self, job: _Job) -> None:
         late = job.l3 is not None and job.broken is None and not job.l3.settled
-        restore = self._straggle(job) if late else self._finish(job)
-        if restore is not None and restore.finished:
-            self._unreported.append(restore)
+        restore = job.restore
+        try:
+            restore = self._straggle(job) if late else self._finish(job)
+        finally:
+            # NOTE: also when a signal handler's exception cuts the work after the restore's
+            # end short (the next copy's issue): a restore that ended is reported once
+            if restore is not None and restore.finished and all(r is not restore for r in self._unreported):
+                self._unreported.append(restore)
 
     @atomic
     def _end_straggler(self, job: _Job) -> None:
@@ -1001,7 +1006,16 @@ class Controller:
                 self._move(req, ReqEvent.PROMOTE, "restore")
                 self._publish(restore, bottom, core.path_pages(bottom, Tier.L1))  # type: ignore[arg-type]
                 return
-            if not core.can_start(Direction.H2D, bottom) or self._start(Direction.H2D, bottom, restore) is None:
+            try:
+                can = core.can_start(Direction.H2D, bottom)
+                started = can and self._start(Direction.H2D, bottom, restore) is not None
+            except BaseException:
+                # NOTE: an interrupt (or a signal handler's exception) while the mover issued the
+                # H2D: that copy failed and no job will end this restore, so it fails here (the
+                # request recomputes) and the exception goes on
+                self._end_restore(restore, Outcome.FAILED, "interrupted while its H2D was issued")
+                raise
+            if not started:
                 self._end_restore(restore, Outcome.FAILED, "no L1 room for the H2D after promotion")
                 return
             self._move(req, ReqEvent.PROMOTE, "restore")

@@ -497,3 +497,46 @@ def test_a_timeout_while_the_cache_waits_for_a_copy_reaches_the_caller(
         cache.close()
     finally:
         signal.signal(signal.SIGALRM, before)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-issue", "after-issue"])
+def test_an_interrupt_while_the_h2d_after_a_landed_read_is_issued_fails_the_restore(
+    after: bool, armed: Armed, tmp_path: Any
+) -> None:
+    """The H2D of an L3 restore is issued inside ``poll`` once its read has landed; an
+    interrupt there reaches the caller, and the restore fails (reported by a later poll, the
+    request recomputes) instead of waiting for good on a copy that no job will ever end."""
+    cache = make(armed, tmp_path)
+    for prompt in (A, B, C):  # A leaves L1 and L2: only L3 has it
+        serve(cache, prompt)
+        cache.drain()
+    req = cache.admit(A)
+    assert req.hit[1] == 0 and req.hit[2] > 0
+    pending = cache.start_restore(req)
+    assert pending is not None and pending.transfer is not None and pending.transfer.direction is Direction.S2H
+    armed.arm("h2d", after)
+    caught, reported = 0, []
+    for _ in range(10_000):  # bounded: the read of a few pages lands in milliseconds
+        try:
+            reported = cache.poll()
+        except KeyboardInterrupt:
+            caught += 1
+            continue
+        if reported or (caught and pending.finished):
+            break
+        threading.Event().wait(0.001)
+    assert armed.fired == caught == 1
+    assert reported == [pending] and pending.finished and not pending.done
+    cache.check_integrity()
+    assert cache.poll() == []  # reported once
+    want = content(A, len(A) // PS)
+    pages = cache.allocate(req, -(-len(A) // PS) - req.cached_len // PS)  # it recomputes
+    assert pages is not None
+    cache.l1.buffer[:, :, pages[: len(A) // PS]] = want
+    cache.insert(req, pages[: len(A) // PS])
+    cache.release(req)
+    nothing_held(cache)
+    for prompt in (A, B, C, A):  # the pages handed back afterwards are the pages written
+        serve(cache, prompt)
+        nothing_held(cache)
+    cache.close()
