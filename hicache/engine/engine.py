@@ -751,7 +751,17 @@ class Engine:
         seq.restored_from = plan.tier.name
         self.stats.restores_started += 1
         if not self.prefetch:
-            if not cache.restore(seq.req, plan):
+            seq.restore_started = time.perf_counter()
+            try:
+                restored = cache.restore(seq.req, plan)
+            except BaseException as exc:
+                pending = seq.req.restore
+                if pending is not None and not isinstance(exc, HiCacheError):
+                    # NOTE: an interrupt (a timeout's signal) while it waited: the restore goes on
+                    # in flight, and a later poll reports it, as a prefetched one's
+                    seq.restore, seq.state = pending, SeqState.RESTORING
+                raise
+            if not restored:
                 self._restore_failed(seq)
             return
         seq.state = SeqState.RESTORING  # its restore starts later in this step (_start_restores)

@@ -298,3 +298,57 @@ def test_a_timeout_raised_by_a_signal_handler_inside_the_bookkeeping_loses_nothi
     finally:
         e.close()
         signal.signal(signal.SIGALRM, before)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="no SIGALRM here")
+@pytest.mark.parametrize("tier", ["L2", "L3"])
+def test_a_timeout_while_a_blocking_restore_waits_leaves_the_request_to_finish(tier: str) -> None:
+    """``prefetch=False`` restores at admission and waits there, with signals not held: a
+    SIGALRM handler's exception raised while it waits comes out of the step, the restore goes
+    on in flight, and the request finishes with a recompute's tokens (it was failed with a
+    MisuseError: prefilled over a prefix still loading)."""
+    from hicache.backends.stores.base import StoreTicket
+    from hicache.backends.ticket import Ticket
+    from hicache.spec.model import Tier
+    from tests.engine.test_request_edges import drop
+
+    def timeout(signum: int, frame: object) -> None:
+        raise Timeout
+
+    before = signal.signal(signal.SIGALRM, timeout)
+    e = edge_engine(prefetch=False)
+    try:
+        prompt = list(range(1, 30))
+        want = e.generate(prompt, max_new_tokens=3).tokens
+        drop(e, Tier.L1, Tier.L2) if tier == "L3" else drop(e, Tier.L1)
+        owner = StoreTicket if tier == "L3" else Ticket
+        real = owner.wait
+        fired = [0]
+
+        def wait_then_signal(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not fired[0]:
+                fired[0] = 1
+                signal.raise_signal(signal.SIGALRM)
+            return real(self, *args, **kwargs)
+
+        setattr(owner, "wait", wait_then_signal)  # noqa: B010
+        try:
+            rid = e.submit(prompt, max_new_tokens=3)
+            outs, caught = [], 0
+            for _ in range(1_000):  # bounded: a few steps serve it
+                try:
+                    outs.extend(e.step())
+                except Timeout:
+                    caught += 1
+                if not e.pending:
+                    break
+        finally:
+            setattr(owner, "wait", real)  # noqa: B010
+        assert fired[0] == caught == 1
+        assert [(o.id, o.error, o.tokens) for o in outs] == [(rid, None, want)]
+        check_clean(e)
+        assert e.generate(prompt, max_new_tokens=3).tokens == want
+        check_clean(e)
+    finally:
+        e.close()
+        signal.signal(signal.SIGALRM, before)
