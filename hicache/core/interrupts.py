@@ -117,13 +117,28 @@ def release_signals() -> None:
         current = signal.getsignal(signum)
         if isinstance(current, _Forwarder):
             signal.signal(signum, current.before)
+    _raise_again()  # NOTE: none should be left; if one is, its own handler gets it now
+
+
+def _raise_again() -> None:
+    """Signals still held go back to the OS: each handler in place gets its own at once."""
+    left = list(_Held.came)
+    _Held.came.clear()
+    for signum in left:
+        signal.raise_signal(signum)
 
 
 def _deliver_held() -> None:
-    while _Held.came:
-        signum = next(iter(_Held.came))
-        to = _Held.came.pop(signum)
-        to.deliver(signum, None)  # NOTE: one that raises leaves the rest for the next call's end
+    try:
+        while _Held.came:
+            signum = next(iter(_Held.came))
+            to = _Held.came.pop(signum)
+            to.deliver(signum, None)
+    except BaseException:
+        # NOTE: one handler raised (Ctrl-C's): the others' signals are raised again, so their
+        # handlers run now, beside that exception, not at some later call's end, or never
+        _raise_again()
+        raise
 
 
 def from_signal(exc: BaseException) -> bool:

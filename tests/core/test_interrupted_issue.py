@@ -540,3 +540,40 @@ def test_an_interrupt_while_the_h2d_after_a_landed_read_is_issued_fails_the_rest
         serve(cache, prompt)
         nothing_held(cache)
     cache.close()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 here")
+@pytest.mark.usefixtures("python_sigint")
+def test_a_signal_held_beside_a_ctrl_c_reaches_its_handler_with_it(armed: Armed, tmp_path: Any) -> None:
+    """Ctrl-C and another signal inside one atomic call: Ctrl-C's KeyboardInterrupt comes
+    out of the call and the other's handler has run too, not at a later call's end (or, the
+    caller closing on Ctrl-C, never: held by a cache gone, fired into a later one)."""
+    seen: list[int] = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        cache = make(armed, tmp_path)
+        serve(cache, A)
+        cache.drain()
+        core = cache.controller.core
+        real = core.release
+
+        def release_then_signals(*args: Any, **kwargs: Any) -> Any:
+            out = real(*args, **kwargs)
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGUSR1)
+            return out
+
+        req = cache.admit(A)
+        core.release = release_then_signals  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            cache.release(req)
+        core.release = real  # type: ignore[method-assign]
+        for _ in range(100):  # the handler runs between two bytecodes: at once, in practice
+            if seen:
+                break
+        assert seen == [signal.SIGUSR1] and not interrupts._Held.came
+        nothing_held(cache)
+        cache.close()
+        assert seen == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, before)
