@@ -380,9 +380,10 @@ class HiCache:
             _close_quietly(storage if storage is not None else custom)
             raise
         self._guard = PageGuard(self.l1) if config.guard_pages else None
-        if l1_buffer is not None:
-            _LIVE_L1[id(self)] = _extent(l1_buffer)
-            weakref.finalize(self, _LIVE_L1.pop, id(self), None)
+        # NOTE: a pool this cache allocated too: another cache given it as its l1_buffer would
+        # hand out the same pages
+        _LIVE_L1[id(self)] = _extent(l1_buffer if l1_buffer is not None else self.l1.buffer)
+        weakref.finalize(self, _LIVE_L1.pop, id(self), None)
         if storage is not None:
             # NOTE: a cache dropped without close() would leave its L3 threads, open files and
             # the dir store's lock for the life of the process (the threads hold the mover,

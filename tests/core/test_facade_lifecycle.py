@@ -48,6 +48,18 @@ def test_an_l1_pool_another_open_cache_uses_is_refused(second: str) -> None:
     b.close()
 
 
+def test_the_l1_pool_a_cache_allocated_is_refused_to_another_cache() -> None:
+    """A cache's own pool (no ``l1_buffer``) given to a second cache: both would hand out
+    the same pages and overwrite each other's KV."""
+    a = HiCache(config())
+    with pytest.raises(ConfigError, match="shares memory with the L1 pool of another open HiCache"):
+        HiCache(config(), a.l1.buffer)
+    b = HiCache(config())  # two caches that each allocated a pool are fine
+    a.close()
+    HiCache(config(), a.l1.buffer).close()  # once closed, its pool may be given to another
+    b.close()
+
+
 def test_a_pool_freed_under_the_cache_is_a_typed_error_at_the_next_copy() -> None:
     """The engine frees its KV pool (``untyped_storage().resize_(0)``): the next copy out of it
     raises MisuseError naming that, where it wrote freed memory (a segfault on CPU)."""
