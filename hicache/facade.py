@@ -250,6 +250,13 @@ def _check_l1_buffer(config: HiCacheConfig, buffer: object) -> None:
         raise ConfigError(f"L1 tensor is on {buffer.device}, config.device is {config.device!r}")
     if buffer.requires_grad:
         raise ConfigError("L1 tensor requires grad; hand hicache the KV pool itself (requires_grad=False)")
+    if buffer.is_inference():
+        # NOTE: torch refuses in-place writes to it outside inference mode: every restore into
+        # it would fail (a fallback each) on the copy paths that write through torch
+        raise ConfigError(
+            "L1 tensor is an inference tensor (made under torch.inference_mode()), which cannot be written "
+            "outside it; allocate the KV pool outside inference mode (torch.no_grad() is fine)"
+        )
     if buffer.shape[2] != config.l1_pages:
         raise ConfigError(f"L1 tensor has {buffer.shape[2]} pages, config.l1_pages is {config.l1_pages}")
 

@@ -46,6 +46,12 @@ class BadInput:
     state: Callable[[], Any] | None = None  # snapshot taken before and after, must be equal
 
 
+def _inference_zeros(*shape: int) -> torch.Tensor:
+    """An inference tensor: torch refuses in-place writes to it outside inference mode."""
+    with torch.inference_mode():
+        return torch.zeros(*shape)
+
+
 def _core() -> CacheCore:
     core = CacheCore(2, TierSizes(8, 8, 8))
     pages = core.allocate_l1(2)
@@ -408,6 +414,13 @@ def catalogue() -> list[BadInput]:
             ),
             ConfigError,
             "requires grad",
+        ),
+        BadInput(
+            "pool",
+            "L1 tensor made under torch.inference_mode()",
+            lambda: HiCache(HiCacheConfig(G, l1_pages=4, device="cpu"), _inference_zeros(2, 2, 4, 2, 2, 8)),
+            ConfigError,
+            "inference tensor",
         ),
         BadInput(
             "pool",

@@ -233,6 +233,11 @@ def test_cuda_without_cuda_is_a_config_error() -> None:
 # -- typed errors for every bad argument, nothing changed --------------------------------------
 
 
+def _inference_zeros(shape: tuple[int, ...]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.zeros(shape)
+
+
 @pytest.mark.parametrize(
     "buffer",
     [
@@ -241,6 +246,7 @@ def test_cuda_without_cuda_is_a_config_error() -> None:
         lambda: torch.zeros((2, 2, 8, 2, 2, 8), dtype=torch.float16),
         lambda: torch.zeros((2, 2, 7, 2, 2, 8)),
         lambda: [torch.zeros(4)],
+        lambda: _inference_zeros((2, 2, 8, 2, 2, 8)),
     ],
 )
 def test_a_bad_l1_buffer_is_a_config_error(buffer: Callable[[], object]) -> None:
