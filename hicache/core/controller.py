@@ -690,20 +690,20 @@ class Controller:
         never waited for (a hung disk must not wedge the caller), nor is a backup."""
         self._enter()
         first: _Job | None = None
-        for job in self._jobs.values():
-            if job.restore is None:
-                continue
-            if job.transfer.direction is not Direction.H2D or job.ticket.ok is not None:
-                return False
-            if first is None or job.transfer.id < first.transfer.id:
-                first = job
-        settle = getattr(first.ticket, "settle", None) if first is not None else None
         try:
+            for job in self._jobs.values():
+                if job.restore is None:
+                    continue
+                if job.transfer.direction is not Direction.H2D or job.ticket.ok is not None:
+                    return False
+                if first is None or job.transfer.id < first.transfer.id:
+                    first = job
+            settle = getattr(first.ticket, "settle", None) if first is not None else None
             return settle is not None and bool(settle())  # the ticket's settle: whether it waited
         except Exception as exc:  # a mover's bug: the next poll finds it, through _landed
             if from_signal(exc):
                 raise  # NOTE: a signal handler's (a timeout's) while it waited: the caller's to hear
-            log.warning("hicache: H2D ticket's settle raised: %r", exc)
+            log.warning("hicache: H2D ticket's settle (or ok) raised: %r", exc)
             return False
 
     def _landed(self, job: _Job, *, block: bool = False) -> bool:
@@ -947,24 +947,42 @@ class Controller:
         if not ok:
             stats.failed += 1
             return
-        t = job.ticket.timings
         stats.count += 1
-        stats.bytes += job.ticket.nbytes
-        stats.steady_s += t.recurring_s
-        stats.enqueue_s += t.enqueue_s
-        stats.setup_s += t.setup_s
-        stats.queue_s += t.queue_s
-        stats.service_s += t.service_s
-        stats.total_s += t.total_s
-        stats.extents += job.ticket.extents
-        self.metrics.observe_transfer(d.name, t.total_s)
-        self.cost.observe_transfer(d, job.ticket.nbytes, t.recurring_s)
+        try:
+            t, nbytes, extents = job.ticket.timings, int(job.ticket.nbytes), int(job.ticket.extents)
+            times = [float(x) for x in (t.recurring_s, t.enqueue_s, t.setup_s, t.queue_s, t.service_s, t.total_s)]
+        except Exception as exc:  # NOTE: a mover's ticket that cannot say: the copy is fine, its figures lost
+            log.warning("hicache: %s ticket's timings could not be read: %r", d.name, exc)
+            return
+        recurring, enqueue, setup, queue, service, total = times
+        stats.bytes += nbytes
+        stats.steady_s += recurring
+        stats.enqueue_s += enqueue
+        stats.setup_s += setup
+        stats.queue_s += queue
+        stats.service_s += service
+        stats.total_s += total
+        stats.extents += extents
+        self.metrics.observe_transfer(d.name, total)
+        self.cost.observe_transfer(d, nbytes, recurring)
+
+    def _verdict(self, job: _Job) -> tuple[bool, str | None]:
+        """A landed ticket's ``ok`` and ``error``; a ticket whose ``ok`` or ``error`` raise
+        failed its transfer (a mover's exception never leaves the controller)."""
+        if job.broken is not None:
+            return False, job.broken
+        try:
+            ok, error = bool(job.ticket.ok), job.ticket.error
+        except Exception as exc:
+            name = job.transfer.direction.name
+            log.warning("hicache: %s ticket's outcome could not be read: %r", name, exc)
+            return False, f"the {name} ticket raised {exc!r}"
+        return ok, error if error is None or isinstance(error, str) else repr(error)
 
     def _finish(self, job: _Job) -> PendingRestore | None:
         del self._jobs[job.transfer.id]
         transfer, restore = job.transfer, job.restore
-        ok = job.broken is None and bool(job.ticket.ok)
-        error = job.broken or job.ticket.error
+        ok, error = self._verdict(job)
         if ok and self.verifier is not None:
             error = self.verifier.verify(transfer.direction, transfer.src, transfer.dst)
             if error is not None:

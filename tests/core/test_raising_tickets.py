@@ -162,3 +162,58 @@ def test_a_wait_that_returns_early_fails_the_transfer_instead_of_spinning(monkey
         c.release(req)
         monkeypatch.undo()
         _restored_after_recovery(c, tokens, kv)
+
+
+class _RaisingField:
+    """Wraps a real ticket; reading ``field`` (``ok``, ``error``, ``timings``, ...) raises
+    once its copy has landed (the controller reads them then)."""
+
+    def __init__(self, ticket: Any, field: str) -> None:
+        self._ticket, self._field = ticket, field
+
+    def __getattr__(self, name: str) -> Any:
+        if name == self._field:
+            raise RuntimeError(f"{name} exploded")
+        return getattr(self._ticket, name)
+
+
+@pytest.mark.parametrize("field", ["ok", "error", "timings", "nbytes", "extents"])
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_a_ticket_whose_outcome_or_figures_raise_never_leaves_the_controller(
+    field: str, direction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading a landed ticket's ``ok`` or ``error`` that raises fails its transfer; its
+    ``timings``, ``nbytes`` or ``extents`` that raise lose only its figures (the copy is
+    sound). Either way nothing raises out of ``poll`` / ``drain``, nothing stays in flight,
+    and the pages served afterwards are the pages written."""
+    with make() as c:
+        tokens = list(range(10))
+        kv = cached(c, tokens, Tier.L1) if direction == "h2d" else None
+        issue = getattr(c.device, direction)
+        monkeypatch.setattr(c.device, direction, lambda *a, **k: _RaisingField(issue(*a, **k), field))
+        fails = field in ("ok", "error")
+        if direction == "h2d":
+            req = c.admit(tokens)
+            pending = c.start_restore(req)
+            assert pending is not None
+            while not pending.finished:
+                c.poll()
+            assert pending.done is not fails and req.cached_len == (0 if fails else 10)
+            c.release(req)
+        else:
+            req, kv = prefill(c, tokens)
+            c.release(req)
+            c.drain()
+            assert c.core.match(tokens).lengths[1] == (0 if fails else 10)  # backed up unless it failed
+        st = c.status()
+        assert not any(st.core.transfers_in_flight.values())
+        assert st.metrics["directions"][direction.upper()]["failed"] == (1 if fails else 0)
+        c.check_integrity()
+        monkeypatch.undo()
+        assert kv is not None
+        if direction == "d2h" and fails:  # no L2 copy: the pages are the tree's in L1
+            req = c.admit(tokens)
+            assert req.cached_len == 10 and torch.equal(c.l1.buffer[:, :, c.prefix_pages(req)], kv)
+            c.release(req)
+        else:
+            _restored_after_recovery(c, tokens, kv)
