@@ -68,8 +68,13 @@ def _built(factory: Callable[[Any], Any], arg: object, call: str, kind: str, mem
         raise
     except Exception as exc:
         raise ConfigError(f"{call} raised {exc!r}") from exc
-    missing = [m for m in members if not hasattr(made, m)]
+    try:
+        missing = [m for m in members if not hasattr(made, m)]
+    except Exception as exc:  # NOTE: a property of its that raises (hasattr lets all but AttributeError by)
+        _close_quietly(made)
+        raise ConfigError(f"{call} returned a {type(made).__name__} whose members raised {exc!r}") from exc
     if missing:
+        _close_quietly(made)
         raise ConfigError(f"{call} must return a {kind}; {type(made).__name__} lacks {', '.join(missing)}")
     return made
 

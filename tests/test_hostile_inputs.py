@@ -222,3 +222,80 @@ def test_a_bad_fault_is_refused_and_queues_nothing(
     with pytest.raises(MisuseError, match=re.escape(says)):
         faults.add(*args, **kwargs)  # type: ignore[arg-type]
     assert faults.take("read") is None and faults.take("write") is None
+
+
+def _odd_store(answer: object, *, remote: bool = False, available: bool = True, status: object = None) -> type:
+    """A MemoryStore whose ``exists`` answers ``answer`` (a store's bug), ``available``
+    raising unless ``available``, and ``status()`` returning ``status`` when given."""
+    from hicache.testing.memory_store import MemoryStore
+
+    class Odd(MemoryStore):
+        def exists(self, keys: object) -> int:
+            return answer  # type: ignore[return-value]
+
+        @property
+        def available(self) -> bool:
+            if not available:
+                raise RuntimeError("available exploded")
+            return True
+
+        def status(self) -> dict[str, object]:
+            return status if status is not None else super().status()  # type: ignore[return-value]
+
+    Odd.remote = remote
+    return Odd
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+@pytest.mark.parametrize("answer", [None, "2", 2.0, -1, 10**6, True, [1]], ids=repr)
+def test_a_store_whose_exists_answers_nonsense_finds_nothing(answer: object, remote: bool) -> None:
+    """``exists`` returning something other than how many leading keys it holds is that
+    call's failure (counted, logged): admission finds nothing in L3 and goes on."""
+    cfg = HiCacheConfig(G, l1_pages=8, l2_pages=8, l3_pages=16, model_id="m", device="cpu", transfer_backend="torch")
+    with HiCache(cfg, store=_odd_store(answer, remote=remote)) as cache:
+        req = cache.admit(list(range(8)))
+        assert req.hit == (0, 0, 0)
+        cache.release(req)
+        assert cache.status().storage["exists_failed"] >= 1  # type: ignore[index]
+        cache.check_integrity()
+
+
+def test_a_store_whose_available_raises_is_unavailable_not_a_crash() -> None:
+    """A store's ``available`` that raises once the cache is open counts as unavailable:
+    admission finds nothing, writes fail (the request goes on), status says so."""
+    cfg = HiCacheConfig(G, l1_pages=8, l2_pages=8, l3_pages=16, model_id="m", device="cpu", transfer_backend="torch")
+    flaky = {"ok": True}
+    base = _odd_store(0, status={"error": "down"})
+
+    class Flaky(base):  # type: ignore[misc,valid-type]
+        @property
+        def available(self) -> bool:
+            if not flaky["ok"]:
+                raise RuntimeError("available exploded")
+            return True
+
+    with HiCache(cfg, store=Flaky) as cache:
+        flaky["ok"] = False
+        _serve(cache, list(range(8)))  # its backup to L3 fails: the store is unavailable
+        req = cache.admit(list(range(8)))
+        assert req.hit[2] == 0
+        cache.release(req)
+        st = cache.status().storage
+        assert st is not None and st["available"] is False and st["available_raised"] >= 1 and st["error"] == "down"
+        cache.check_integrity()
+
+
+def test_a_store_whose_members_raise_when_read_is_a_config_error_and_is_closed() -> None:
+    """``available`` raising already while the cache checks the store's members: a
+    ConfigError naming it, and the store is closed (it kept its resources)."""
+    cfg = HiCacheConfig(G, l1_pages=8, l2_pages=8, l3_pages=16, model_id="m", device="cpu", transfer_backend="torch")
+    closed: list[object] = []
+    base = _odd_store(0, available=False)
+
+    class Closing(base):  # type: ignore[misc,valid-type]
+        def close(self) -> None:
+            closed.append(self)
+
+    with pytest.raises(ConfigError, match=r"store\(l2\) returned a Closing whose members raised RuntimeError"):
+        HiCache(cfg, store=Closing)
+    assert len(closed) == 1

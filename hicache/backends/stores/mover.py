@@ -27,6 +27,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from hicache.backends.faults import FaultInjector
 from hicache.backends.pools import HostPool, PageFences, check_pages
 from hicache.backends.stores.base import LOST, STORED, Op, PageStatus, PageStore, StoreTicket
@@ -90,6 +92,16 @@ class _Job:
         self.last_end = 0.0
 
 
+def _held(count: object, asked: int) -> int:
+    """A store's ``exists`` answer: how many of the ``asked`` leading keys it holds (an int,
+    numpy's too, in ``[0, asked]``); anything else is that call's failure (ValueError)."""
+    if isinstance(count, np.integer):
+        count = int(count)
+    if type(count) is not int or not 0 <= count <= asked:
+        raise ValueError(f"exists() must return how many of the {asked} leading keys it holds, got {count!r:.60}")
+    return count
+
+
 class StoreMover:
     """H2S (L2 -> L3) and S2H (L3 -> L2) over ``store``, on ``workers`` I/O threads."""
 
@@ -148,6 +160,7 @@ class StoreMover:
                 "exists_failed",
                 "exists_timeouts",
                 "unavailable",
+                "available_raised",
             ),
             0,
         )
@@ -176,7 +189,25 @@ class StoreMover:
 
     @property
     def available(self) -> bool:
-        return self.store.available and not self.closed
+        return not self.closed and self._store_available()
+
+    def _store_status(self) -> dict[str, Any]:
+        """The store's ``status()``; one that raises or is not a dict says so in ``error``."""
+        try:
+            status = self.store.status()
+        except Exception as exc:
+            return {"error": f"status() raised {exc!r}"}
+        return dict(status) if isinstance(status, dict) else {"error": f"status() returned {status!r:.60}"}
+
+    def _store_available(self) -> bool:
+        """The store's ``available``; one that raises (a custom store's bug) counts as not."""
+        try:
+            return bool(self.store.available)
+        except Exception as exc:
+            if not self.counts["available_raised"]:  # NOTE: once: it is read at every admission
+                log.warning("hicache L3 store's available raised: %r (taken as unavailable)", exc)
+            self.counts["available_raised"] += 1
+            return False
 
     def write(
         self,
@@ -209,14 +240,14 @@ class StoreMover:
     def exists(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the store holds: one batched call of at most
         ``exists_pages`` keys, waited for at most ``exists_timeout_s``; 0 on any error."""
-        if not self.store.keyed or self.closed or not self.store.available or not keys:
+        if not self.store.keyed or self.closed or not keys or not self._store_available():
             return 0
         batch = list(keys[: self.exists_pages])
         _check_keys(batch, len(batch))
         self.counts["exists_calls"] += 1
         if not self.store.remote:
             try:
-                return self.store.exists(batch)
+                return _held(self.store.exists(batch), len(batch))
             except Exception as exc:
                 return self._exists_failed(exc)
         return self._exists_remote(batch)
@@ -265,7 +296,7 @@ class StoreMover:
             "keyed": self.store.keyed,
             "shared": self.store.shared,
             "available": self.available,
-            **self.store.status(),
+            **self._store_status(),
             **self.counts,
             "in_flight": active,
             "io_running": running,
@@ -307,10 +338,10 @@ class StoreMover:
         if not n:
             ticket.finish_now(True)
             return ticket
-        if not self.store.available:
+        if not self._store_available():
             self.counts["unavailable"] += 1
             ticket.statuses = [PageStatus.FAILED] * n
-            ticket.fail_now(f"L3 {self.store.kind} store unavailable: {self.store.status().get('error', '')}")
+            ticket.fail_now(f"L3 {self.store.kind} store unavailable: {self._store_status().get('error', '')}")
             return ticket
         deadline = math.inf
         if self.deadline_s is not None:
@@ -595,7 +626,7 @@ class StoreMover:
         while True:
             keys, box, done = q.get()
             try:
-                box.append(self.store.exists(keys))
+                box.append(_held(self.store.exists(keys), len(keys)))
             except Exception as exc:
                 self._exists_failed(exc)
             finally:
