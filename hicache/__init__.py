@@ -9,6 +9,7 @@ from hicache.errors import (
     HiCacheError,
     IntegrityError,
     MisuseError,
+    PageContentError,
     PageOwnershipError,
     TransitionRefused,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "HiCacheError",
     "IntegrityError",
     "MisuseError",
+    "PageContentError",
     "PageOwnershipError",
     "TransitionRefused",
     "__version__",
