@@ -46,7 +46,8 @@ try:
     from hicache.metrics_http import MetricsServer
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
-    raise SystemExit(130) from None
+    sys.stderr.flush()
+    os._exit(130)  # NOTE: not SystemExit (_exit_interrupted says why); nothing is open yet
 
 PUBLISH_EVERY_S = 0.5  # how stale /metrics may be while the workload runs
 PROGRESS_EVERY_S = 10.0  # a progress line on stderr this often where no bar is drawn (a log, a pipe)
@@ -295,5 +296,21 @@ def run(argv: list[str] | None = None) -> int:
         sys.stdout = stdout
 
 
+def _exit_interrupted() -> None:
+    """Exit 130 after Ctrl-C, everything closed and flushed, without the interpreter's own
+    exit: after a Ctrl-C during torch's import or the model's build, that exit ended the
+    process by SIGINT (a caller saw "killed by signal 2") in 11 of 100 runs where the status
+    asked for was 130, and in none of 40 exiting this way (a Ctrl-C 0.2-4.3 s after start).
+    Nothing is left to clean up: the engine closed before ``run`` returned."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+    os._exit(130)
+
+
 if __name__ == "__main__":
-    sys.exit(run())
+    code = run()
+    if code == 130:
+        _exit_interrupted()
+    sys.exit(code)
