@@ -4,7 +4,6 @@ and a :class:`~hicache.core.controller.Controller`, and forwards the engine's ca
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import os
@@ -23,7 +22,7 @@ import torch
 from hicache.backends.faults import FaultInjector
 from hicache.backends.guard import Identity, PageGuard
 from hicache.backends.pools import DevicePool, HostPool, validate_l1
-from hicache.backends.stores import STORE_KINDS, PageStore, StoreMover, open_storage
+from hicache.backends.stores import STORE_KINDS, PageStore, StoreMover, at_exit, open_storage
 from hicache.backends.transfer import TransferBackend, TransferEngine
 from hicache.backends.verify import DigestVerifier
 from hicache.core.cache import CacheCore
@@ -583,22 +582,8 @@ def _close_unclosed(storage: StoreMover) -> None:
     )
 
 
-_CLOSERS: dict[threading.Thread, float] = {}  # closers still running -> the most they may take (s)
-
-
 def _wait_at_exit(closer: threading.Thread, timeout_s: float) -> None:
-    for done in [t for t in _CLOSERS if not t.is_alive()]:
-        del _CLOSERS[done]
-    if not _CLOSERS:
-        atexit.unregister(_join_closers)
-        atexit.register(_join_closers)
-    _CLOSERS[closer] = timeout_s + 1.0
-
-
-def _join_closers() -> None:
-    for closer, timeout_s in list(_CLOSERS.items()):
-        closer.join(timeout_s)
-    _CLOSERS.clear()
+    at_exit.wait_at_exit(lambda: not closer.is_alive(), timeout_s + 1.0, "a store's close (a cache never closed)")
 
 
 def _close_quietly(store: object) -> None:

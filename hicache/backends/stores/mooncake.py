@@ -40,6 +40,7 @@ from typing import Any
 
 from hicache.backends.faults import FaultInjector, FaultKind
 from hicache.backends.pools import HostPool
+from hicache.backends.stores import at_exit
 from hicache.backends.stores.base import Op, PageStatus
 from hicache.errors import ConfigError, MisuseError
 
@@ -273,6 +274,8 @@ class MooncakeStore:
             thread = threading.Thread(target=_quiet_close, args=(store, self._base), daemon=True)
             thread.start()
             thread.join(5.0)  # NOTE: a dead master must not wedge shutdown
+            if thread.is_alive():  # NOTE: nor may the close still be in the client at exit (a crash)
+                at_exit.wait_at_exit(lambda: not thread.is_alive(), at_exit.EXIT_WAIT_S, "the mooncake store's close")
 
     def status(self) -> dict[str, Any]:
         with self._lock:

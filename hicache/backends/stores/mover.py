@@ -31,6 +31,7 @@ import numpy as np
 
 from hicache.backends.faults import FaultInjector
 from hicache.backends.pools import HostPool, PageFences, check_pages
+from hicache.backends.stores import at_exit
 from hicache.backends.stores.base import LOST, STORED, Op, PageStatus, PageStore, StoreTicket
 from hicache.backends.transfer import DeviceTicket
 from hicache.core.keys import KEY_BYTES
@@ -282,8 +283,13 @@ class StoreMover:
             now = self._running == 0
         if now:
             self._close_store()
-        else:
-            log.warning("hicache L3: %d I/O still running at close; the store closes when they return", self._running)
+            return
+        log.warning("hicache L3: %d I/O still running at close; the store closes when they return", self._running)
+        if self.store.remote:
+            # NOTE: a remote store's native call returning while the interpreter ends crashes
+            # the process (Mooncake's client, after its master died): the exit waits for it
+            what = f"{self.store.kind} store calls still running past close()"
+            at_exit.wait_at_exit(lambda: self._store_closed, at_exit.EXIT_WAIT_S, what)
 
     def status(self) -> dict[str, Any]:
         with self._lock:

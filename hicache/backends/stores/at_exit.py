@@ -1,0 +1,64 @@
+"""What the interpreter's exit waits for, each within its bound.
+
+A thread still inside a store's native code when the interpreter ends can crash the process
+(a segmentation fault in Mooncake's client, "terminate called without an active exception"
+from a daemon thread in torch's or the store's C++ code): the thread closing a store a cache
+was collected without, or a remote store's call that outlived its deadline and ``close()``
+left running. Each is registered here with a test of being done and a bound; at exit the
+process waits until each is done or its bound has passed, whichever comes first, saying so
+on the log when it has to wait.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+# The most the exit waits for a remote store's calls that outlived close() (a Mooncake put
+# against a master that died returned within 20 s where it was measured).
+EXIT_WAIT_S = 30.0
+_POLL_S = 0.02
+_lock = threading.Lock()
+_waits: list[tuple[Callable[[], bool], float, str]] = []  # (done?, the most to wait in s, what)
+
+
+def wait_at_exit(done: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """At the interpreter's exit, wait until ``done()`` (at most ``timeout_s``) for ``what``."""
+    with _lock:
+        _waits[:] = [w for w in _waits if not _done(w[0])]
+        if not _waits:
+            # NOTE: registered again so it runs first (atexit runs the last registered first):
+            # before the exit handlers of the libraries the waited-for work is still inside
+            atexit.unregister(_wait_all)
+            atexit.register(_wait_all)
+        _waits.append((done, timeout_s, what))
+
+
+def pending() -> list[str]:
+    """What the exit would wait for now (for tests and status)."""
+    with _lock:
+        return [what for done, _, what in _waits if not _done(done)]
+
+
+def _done(done: Callable[[], bool]) -> bool:
+    try:
+        return bool(done())
+    except Exception:  # NOTE: one that cannot tell is not worth waiting for
+        return True
+
+
+def _wait_all() -> None:
+    with _lock:
+        waits, _waits[:] = list(_waits), []
+    for done, timeout_s, what in waits:
+        if _done(done):
+            continue
+        log.warning("hicache: waiting up to %.0f s at exit for %s", timeout_s, what)
+        end = time.monotonic() + timeout_s
+        while not _done(done) and time.monotonic() < end:
+            time.sleep(_POLL_S)
