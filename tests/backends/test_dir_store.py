@@ -236,6 +236,50 @@ def test_second_process_gets_a_clear_error_until_the_first_closes(tmp_path: Path
     dir_store(tmp_path).close()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_close_lets_go_of_the_directory_while_a_forked_child_lives(tmp_path: Path) -> None:
+    """A child forked while the store is open (a worker pool's) shares its locked files:
+    ``close()`` unlocks them, so the directory opens again at once, here and elsewhere; the
+    child closing its copies does not unlock the parent's."""
+    s = dir_store(tmp_path)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hold the inherited descriptors until told to go
+        try:
+            os.close(w)
+            os.read(r, 1)
+        finally:
+            os._exit(0)
+    os.close(r)
+    try:
+        s.close()
+        again = dir_store(tmp_path)  # in use by nobody now
+        code = (
+            "import sys, pathlib; from tests.backends.store_helpers import dir_store; "
+            "dir_store(pathlib.Path(sys.argv[1]))"
+        )
+        other = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                               cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+        assert "in use by another cache of this process" not in other.stderr
+        assert f"in use by another process (pid {os.getpid()})" in other.stderr, other.stderr[-500:]
+        again.close()
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+    s = dir_store(tmp_path)
+    child = os.fork()
+    if child == 0:  # a child of an open store closing its copies: the parent's lock stays
+        try:
+            s.close()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    with pytest.raises(ConfigError, match="in use by another cache of this process"):
+        dir_store(tmp_path)
+    s.close()
+
+
 def test_size_is_bounded_with_lru_eviction(tmp_path: Path) -> None:
     """At most ``slots`` pages; the least recently used (read or written) go first, and of
     pages written together the last (a prompt's tail, reachable only through its head)."""

@@ -116,10 +116,12 @@ class DirStore:
         self._made_format = False  # this opener wrote FORMAT (so the store is new, and its own)
         self.dirfd = _open_dir(self.path)
         self.lockfd = -1
+        self._locked_by = -1  # the process that holds the lock (close unlocks there only)
         before: set[str] = set()
         try:
             before = _check_adoptable(self.dirfd, self.path)  # before the lock file is made in it
             self.lockfd = _lock_dir(self.dirfd, self.path)
+            self._locked_by = os.getpid()
             if "FORMAT" not in before:
                 self._check_room()  # NOTE: a new store: refused for room before any file is made
             self._check_format()
@@ -351,9 +353,16 @@ class DirStore:
         return [self._read_page(p, k) for p, k in zip(host_pages, keys, strict=True)]
 
     def close(self) -> None:
+        if self.lockfd >= 0 and os.getpid() == self._locked_by:
+            # NOTE: unlocked, not only closed: a child forked meanwhile shares the locked files,
+            # and closing our descriptors leaves the lock held while it lives. Only the process
+            # that locked them unlocks: a child closing its copies must not unlock ours.
+            for fd in (self.lockfd, self.dirfd):
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
         for fd in (self.lockfd, self.dirfd):
             if fd >= 0:
-                os.close(fd)  # NOTE: closing the lock file drops the flock
+                os.close(fd)
         self.lockfd = self.dirfd = -1
 
     @property
