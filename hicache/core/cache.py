@@ -326,7 +326,15 @@ class CacheCore:
         dst_lease = None if top_parent.parent is None else self.tree.lock_node(top_parent, target, touch=False)
         alloc = self._alloc[target]
         dst: list[int] | None = None
-        roomy = alloc.num_free >= need or (make_room is not None and make_room(target, need))
+        try:
+            roomy = alloc.num_free >= need or (make_room is not None and make_room(target, need))
+        except BaseException:
+            # NOTE: making room may issue a victim's backup, and an interrupt there (a mover's
+            # issue is not held) must not leave the pins just taken without a holder
+            self.tree.release(src_lease)
+            if dst_lease is not None:
+                self.tree.release(dst_lease)
+            raise
         # NOTE: the pins kept the segment (its parent keeps its target copy, its nodes their
         # source copy); re-derive it anyway: making room may run other transfers.
         if roomy and self.segment(direction, node) == seg and all(self.tree.allows(n, event) for n in seg):

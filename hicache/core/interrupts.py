@@ -121,11 +121,24 @@ def release_signals() -> None:
 
 
 def _raise_again() -> None:
-    """Signals still held go back to the OS: each handler in place gets its own at once."""
+    """Signals still held go back to the OS: each handler in place gets its own, at once.
+
+    Raised while blocked and then unblocked together, so all are pending before any handler
+    runs: one that raises does not keep the others from being raised (Python runs the rest
+    at its next check)."""
     left = list(_Held.came)
     _Held.came.clear()
-    for signum in left:
-        signal.raise_signal(signum)
+    if not left:
+        return
+    masked = hasattr(signal, "pthread_sigmask")
+    if masked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, left)
+    try:
+        for signum in left:
+            signal.raise_signal(signum)
+    finally:
+        if masked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, left)
 
 
 def _deliver_held() -> None:

@@ -757,9 +757,12 @@ class Engine:
             except BaseException as exc:
                 pending = seq.req.restore
                 if pending is not None and not isinstance(exc, HiCacheError):
-                    # NOTE: an interrupt (a timeout's signal) while it waited: the restore goes on
-                    # in flight, and a later poll reports it, as a prefetched one's
-                    seq.restore, seq.state = pending, SeqState.RESTORING
+                    if not pending.finished:
+                        # NOTE: an interrupt (a timeout's signal) while it waited: the restore goes
+                        # on in flight, and a later poll reports it, as a prefetched one's
+                        seq.restore, seq.state = pending, SeqState.RESTORING
+                    elif not pending.done:  # it ended before the interrupt, and no poll reports it
+                        self._restore_failed(seq)
                 raise
             if not restored:
                 self._restore_failed(seq)

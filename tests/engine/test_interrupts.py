@@ -352,3 +352,40 @@ def test_a_timeout_while_a_blocking_restore_waits_leaves_the_request_to_finish(t
     finally:
         e.close()
         signal.signal(signal.SIGALRM, before)
+
+
+def test_an_interrupt_right_after_a_blocking_restore_returned_leaves_the_request_served() -> None:
+    """``prefetch=False``: an interrupt after the blocking restore has returned (a guard's
+    check, a timeout's handler on the way out): the restore ended and no poll will report
+    it, so the request goes on with what it restored instead of waiting for good."""
+    from hicache.spec.model import Tier
+    from tests.engine.test_request_edges import drop
+
+    e = edge_engine(prefetch=False)
+    try:
+        prompt = list(range(1, 30))
+        want = e.generate(prompt, max_new_tokens=3).tokens
+        drop(e, Tier.L1)
+        controller = e.cache.controller
+        real = controller.restore
+
+        def restore_then_interrupt(*args: Any, **kwargs: Any) -> Any:
+            real(*args, **kwargs)
+            controller.restore = real  # type: ignore[method-assign]
+            raise Interrupt("right after the restore returned")
+
+        controller.restore = restore_then_interrupt  # type: ignore[method-assign]
+        rid = e.submit(prompt, max_new_tokens=3)
+        outs, caught = [], 0
+        for _ in range(1_000):  # bounded: a few steps serve it
+            try:
+                outs.extend(e.step())
+            except Interrupt:
+                caught += 1
+            if not e.pending:
+                break
+        assert caught == 1 and not e.pending
+        assert [(o.id, o.error, o.tokens) for o in outs] == [(rid, None, want)]
+        check_clean(e)
+    finally:
+        e.close()

@@ -5,8 +5,9 @@ A thread still inside a store's native code when the interpreter ends can crash 
 from a daemon thread in torch's or the store's C++ code): the thread closing a store a cache
 was collected without, or a remote store's call that outlived its deadline and ``close()``
 left running. Each is registered here with a test of being done and a bound; at exit the
-process waits until each is done or its bound has passed, whichever comes first, saying so
-on the log when it has to wait.
+process waits until each is done or its bound, counted from the exit's start, has passed
+(so all of them together for at most the longest bound), saying so on the log when it has
+to wait.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 # against a master that died returned within 20 s where it was measured).
 EXIT_WAIT_S = 30.0
 _POLL_S = 0.02
+_clock, _sleep = time.monotonic, time.sleep  # (a test's fake clock replaces these)
 _lock = threading.Lock()
 _waits: list[tuple[Callable[[], bool], float, str]] = []  # (done?, the most to wait in s, what)
 
@@ -53,12 +55,24 @@ def _done(done: Callable[[], bool]) -> bool:
 
 
 def _wait_all() -> None:
-    with _lock:
-        waits, _waits[:] = list(_waits), []
-    for done, timeout_s, what in waits:
-        if _done(done):
-            continue
-        log.warning("hicache: waiting up to %.0f s at exit for %s", timeout_s, what)
-        end = time.monotonic() + timeout_s
-        while not _done(done) and time.monotonic() < end:
-            time.sleep(_POLL_S)
+    """Wait for each until it is done or its bound, counted from the exit's start, has
+    passed: all together for at most the longest bound, those registered meanwhile (a store's
+    close that itself waits on a thread) included."""
+    start = _clock()
+    while True:
+        with _lock:
+            waits, _waits[:] = list(_waits), []
+        waits = [w for w in waits if not _done(w[0])]
+        if not waits:
+            return
+        for done, timeout_s, what in waits:
+            end = start + timeout_s
+            if _done(done) or _clock() >= end:
+                continue
+            log.warning("hicache: waiting up to %.0f s at exit for %s", end - _clock(), what)
+            while not _done(done) and _clock() < end:
+                _sleep(_POLL_S)
+        if _clock() - start >= max(t for _, t, _ in waits):
+            with _lock:
+                _waits.clear()
+            return

@@ -142,6 +142,7 @@ class StoreMover:
         self._settled: list[StoreTicket] = []
         self._running = 0  # chunks inside store.put/get right now
         self._closing = False
+        self._store_gone = threading.Event()  # the store's close() has returned
         self._store_closed = False
         self._exists_busy = False
         self._failing = 0  # jobs failed in a row (pages not stored or read, not merely lost)
@@ -289,7 +290,7 @@ class StoreMover:
             # NOTE: a remote store's native call returning while the interpreter ends crashes
             # the process (Mooncake's client, after its master died): the exit waits for it
             what = f"{self.store.kind} store calls still running past close()"
-            at_exit.wait_at_exit(lambda: self._store_closed, at_exit.EXIT_WAIT_S, what)
+            at_exit.wait_at_exit(self._store_gone.is_set, at_exit.EXIT_WAIT_S, what)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -601,6 +602,8 @@ class StoreMover:
             self.store.close()
         except Exception as exc:
             log.warning("hicache L3: closing the %s store failed: %s", self.store.kind, exc)
+        finally:
+            self._store_gone.set()  # NOTE: after the store's close returned: what the exit waits for
 
     # -- exists on a remote store ------------------------------------------------------------------
 
