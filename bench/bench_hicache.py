@@ -31,6 +31,7 @@ from common import (
     device_name,
     engine_settings,
     guarded,
+    results_done,
     write_results,
 )
 from plots import plot_latency
@@ -423,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     print("/floor: TTFT / its floor: the restored bytes at the plain pinned H2D rate and the tail forward from L1,")
     print("        pipelined by layer group (restore_floor)")
     plot_latency(rows, {**meta, "device": device, "date": meta_date(stem)}, stem)
+    results_done(stem)
     print(f"wrote {stem}.json and .png")
 
 

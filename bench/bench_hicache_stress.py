@@ -44,6 +44,7 @@ from common import (
     engine_settings,
     existing_dir,
     guarded,
+    results_done,
     write_results,
 )
 from plots import plot_stress
@@ -404,6 +405,7 @@ def run(args: argparse.Namespace, dtype: torch.dtype) -> list[dict[str, Any]]:
                     )
     path = write_results(args.out, f"bench_hicache_stress-{args.model}", args.device, meta, rows, args.tag)
     plot_stress(rows, json.loads(path.with_suffix(".json").read_text())["meta"], path)
+    results_done(path)
     print(f"wrote {path}.json and .png")
     return rows
 

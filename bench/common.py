@@ -4,11 +4,13 @@ fingerprints (the bit-identity gate), and the timer of hicache's calls."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import math
 import os
 import platform
+import re
 import select
 import subprocess
 import sys
@@ -173,6 +175,7 @@ def guarded(main: Callable[[], object]) -> None:
     try:
         code = main()
     except KeyboardInterrupt:
+        drop_unfinished()
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None
     except BrokenPipeError as exc:
@@ -206,12 +209,19 @@ def stdout_gone() -> bool:
 
 
 def tag_name(text: str) -> str:
-    """An argparse type: a file name suffix (checked before the run, not after it)."""
-    if not text or text in (".", "..") or "/" in text or "\0" in text or len(text) > 100:
+    """An argparse type: a file name suffix (checked before the run, not after it). No '.':
+    the file names take their ``.json`` and ``.png`` after it."""
+    if not text or "." in text or "/" in text or "\0" in text or len(text) > 100:
         raise argparse.ArgumentTypeError(
-            f"{_shown(text)}: must be a plain file name part (no '/', at most 100 characters)"
+            f"{_shown(text)}: must be a plain file name part (no '/' or '.', at most 100 characters)"
         )
     return text
+
+
+def file_stem(text: str) -> str:
+    """``text`` (a model given as a checkpoint path, say) as a file name part: every run of
+    characters other than letters, digits, '_', '+' and '-' becomes one '_'."""
+    return re.sub(r"[^A-Za-z0-9_+-]+", "_", text).strip("_") or "_"
 
 
 def add_out_args(ap: argparse.ArgumentParser) -> None:
@@ -380,11 +390,34 @@ class PageCheck:
         return {"restores_checked": self.checked, "page_mismatches": self.mismatches}
 
 
+# Result files being written: a Ctrl-C before the run's last one (its PNG) removes them all,
+# so no JSON is left looking complete beside a PNG that is missing or cut short.
+_UNFINISHED: set[Path] = set()
+
+
+def unfinished(stem: Path) -> None:
+    """``stem``'s ``.json`` and ``.png`` are being written (:func:`guarded` removes them on Ctrl-C)."""
+    _UNFINISHED.add(stem)
+
+
+def results_done(stem: Path) -> None:
+    """``stem``'s result files are complete."""
+    _UNFINISHED.discard(stem)
+
+
+def drop_unfinished() -> None:
+    for stem in list(_UNFINISHED):
+        for suffix in (".json", ".png"):
+            with contextlib.suppress(OSError):
+                stem.with_suffix(suffix).unlink(missing_ok=True)
+    _UNFINISHED.clear()
+
+
 def write_results(
     out: Path, stem: str, device: str, meta: dict[str, Any], rows: list[dict[str, Any]], tag: str | None = None
 ) -> Path:
     """``out/stem-DATE-TAG.json`` with the run's environment in ``meta``; returns the path
-    without suffix (for the PNG)."""
+    without suffix (for the PNG), unfinished until :func:`results_done` says so."""
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.now(UTC)
     meta = {
@@ -395,8 +428,9 @@ def write_results(
         "versions": versions(),
         **meta,
     }
-    path = out / f"{stem}-{meta['date']}-{tag or tag_of(device)}"
+    path = out / f"{file_stem(stem)}-{meta['date']}-{tag or tag_of(device)}"
     doc = finite({"meta": meta, "rows": rows})
+    unfinished(path)
     path.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str, allow_nan=False))
     return path
 

@@ -29,7 +29,16 @@ import warnings
 from typing import Any
 
 import torch
-from common import add_out_args, at_least, device_name, engine_settings, fraction, guarded, write_results
+from common import (
+    add_out_args,
+    at_least,
+    device_name,
+    engine_settings,
+    fraction,
+    guarded,
+    results_done,
+    write_results,
+)
 from tqdm import tqdm
 
 from hicache.backends.faults import FaultKind
@@ -401,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "attention_cudnn": args.attention_cudnn,
     }
     path = write_results(args.out, f"soak-{args.model}", args.device, meta, [row], args.tag)
+    results_done(path)
     print(f"wrote {path}.json")
     return 1 if leaks or counts["errors"] or m.verify_failures else 0
 

@@ -35,7 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import at_least, between, git_commit, guarded, out_dir, tag_name, torch_device
+from common import (
+    at_least,
+    between,
+    file_stem,
+    git_commit,
+    guarded,
+    out_dir,
+    results_done,
+    tag_name,
+    torch_device,
+    unfinished,
+)
 
 from hicache.backends import kernels
 from hicache.backends.pools import DevicePool, HostPool
@@ -448,9 +459,11 @@ def main() -> None:
     print_table(rows, meta, names)
     tag = args.tag or ("h200" if "H200" in meta["device"] else meta["device"].lower().replace(" ", "-"))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"transfer-{meta['date']}-{tag}"
+    stem = args.out / f"transfer-{meta['date']}-{file_stem(tag)}"
+    unfinished(stem)
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     plot(rows, meta, names, stem.with_suffix(".png"))
+    results_done(stem)
     print(f"wrote {stem}.json and {stem}.png")
 
 
