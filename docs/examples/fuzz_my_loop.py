@@ -184,4 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # NOTE: Ctrl-C: one line and 130, not hypothesis's traceback
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -172,6 +172,9 @@ def explore_main(
     except BrokenPipeError:  # NOTE: piped into head: stop quietly, as a shell tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except KeyboardInterrupt:  # NOTE: Ctrl-C: one line and 130, as every command of ours
+        print("interrupted", file=sys.stderr)
+        return 130
     return 1 if any(r.violations for r in reports) else 0
 
 

@@ -289,3 +289,13 @@ def test_an_explorer_piped_into_head_stops_without_a_traceback() -> None:
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (141, b"")
+
+
+def test_explore_main_answers_ctrl_c_with_one_line_and_130(capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while a configuration is explored: ``interrupted`` and 130, no traceback."""
+
+    def interrupted(name: str, depth: int | None) -> ExploreReport:
+        raise KeyboardInterrupt
+
+    assert explore_main([], "toy", {"a"}, interrupted) == 130
+    assert capsys.readouterr().err == "interrupted\n"
