@@ -478,7 +478,10 @@ def test_a_timeout_while_the_cache_waits_for_a_copy_reaches_the_caller(
         if req is not None:
             assert req.hit[1] > 0  # in L2, not in L1: restore() waits for its H2D
         else:
-            serve(cache, C)  # leaves its write-through copies in flight for drain()
+            # NOTE: its backup to L3 hangs until released: drain() has a copy to wait for
+            # whatever the machine's speed (the write could land before drain was called)
+            cache.faults.add("hang", op="write")
+            serve(cache, C)
         monkeypatch.setattr(Ticket, "wait", wait_then_signal)
         with pytest.raises(Timeout):
             if req is not None:
@@ -486,6 +489,7 @@ def test_a_timeout_while_the_cache_waits_for_a_copy_reaches_the_caller(
             else:
                 cache.drain()
         assert fired[0] == 1
+        cache.faults.release()
         monkeypatch.setattr(Ticket, "wait", real)
         if req is not None:
             cache.release(req)
