@@ -338,6 +338,14 @@ def main(argv: list[str] | None = None) -> None:
     short = [p for p in args.prefix_tokens if p < args.page_size]
     if short:
         ap.error(f"--prefix-tokens {short[0]}: less than one page (--page-size {args.page_size}): nothing to restore")
+    aligned = [p for p in args.prefix_tokens if p % args.page_size == 0]
+    if aligned and not args.suffix_tokens:
+        # NOTE: the last prompt token is always computed, so a prompt of whole pages recomputes
+        # its last page: the floor's L1-hit forward would not be one
+        ap.error(
+            f"--suffix-tokens 0: the prefix of {aligned[0]} tokens is whole pages (--page-size {args.page_size}), "
+            "so its last page is recomputed; give at least 1 suffix token"
+        )
     first = transfer_engine.LAYER_GROUP if args.layer_group is None else args.layer_group
     most = transfer_engine.MAX_LAYER_GROUP if args.max_layer_group is None else args.max_layer_group
     last = transfer_engine.LAST_LAYER_GROUP if args.last_layer_group is None else args.last_layer_group
@@ -360,6 +368,12 @@ def main(argv: list[str] | None = None) -> None:
         rows = [run_tier(net, args, tier, p) for p in args.prefix_tokens for tier in args.tiers]
     except FlagError as exc:
         ap.error(str(exc))
+    want = {"none": "recompute", "l2": "L2", "l3": "L3"}
+    for r in rows:  # NOTE: a size the tiers were not made for (a prefix of a page or two) may be served elsewhere
+        other = {s: n for s, n in r["sources"].items() if s != want[r["tier"]]}
+        if other:
+            tier, only = r["tier"], want[r["tier"]]
+            warn(f"{r['prefix_tokens']} tokens, tier {tier}: requests served from {other}, not only {only}")
     # the settings of a row with hicache (the recompute rows have no transfers or restores)
     settings = next((r["settings"] for r in rows if r["tier"] != "none"), rows[0]["settings"])
     for r in rows:

@@ -242,6 +242,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = ap.parse_args(argv)
     if args.no_rotation and not args.decoders:
         ap.error("--no-rotation with --decoders 0: nothing to run (the overlap variants need decoders)")
+    if args.l1_prefixes >= args.prefixes:
+        ap.error(
+            f"--l1-prefixes {args.l1_prefixes}: L1 would hold every one of the {args.prefixes} prefixes "
+            "(--prefixes), and no request would miss it"
+        )
     dtype = dtype_of(args)
     try:
         return run(args, dtype)

@@ -94,9 +94,15 @@ def _shown(text: str) -> str:
     return text if text and text.isprintable() and " " not in text else repr(text)
 
 
+# The most any count or size flag takes: past 2**63 the libraries fail (tqdm's bars), and a
+# count this large never ends anyway.
+MOST = 10**12
+
+
 def at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an int >= ``low`` (counts and sizes; 0 or -1 would end in a
-    ZeroDivisionError or an empty statistic long after the flag was read)."""
+    ZeroDivisionError or an empty statistic long after the flag was read), and at most
+    :data:`MOST`."""
 
     def parse(text: str) -> int:
         shown = _shown(text)  # "VALUE: reason", as the engine's flags
@@ -106,6 +112,8 @@ def at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{shown}: not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{shown}: must be at least {low}")
+        if value > MOST:
+            raise argparse.ArgumentTypeError(f"{shown}: must be at most {MOST}")
         return value
 
     parse.__name__ = f"int >= {low}"

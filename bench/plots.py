@@ -138,6 +138,8 @@ def _fail(message: str) -> NoReturn:
 
 
 def replot(path: Path) -> None:
+    if path.is_dir():
+        _fail(f"{path}: a directory (give a bench_hicache*.json file)")
     if not path.is_file():
         _fail(f"{path}: no such file")
     if not path.name.startswith("bench_hicache") or path.suffix != ".json":
@@ -151,7 +153,13 @@ def replot(path: Path) -> None:
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not isinstance(data.get("meta"), dict):
         _fail(f'{path}: not a bench_hicache result (it needs "rows", a list, and "meta", an object)')
     rows, meta = data["rows"], data["meta"]
-    draw = plot_stress if path.name.startswith("bench_hicache_stress-") else plot_latency
+    stress = path.name.startswith("bench_hicache_stress-")
+    need = ("variant",) if stress else ("tier", "prefix_tokens", "ttft_ms")
+    for i, row in enumerate(rows):
+        lacks = [k for k in need if not isinstance(row, dict) or k not in row]
+        if lacks:
+            _fail(f"{path}: row {i} lacks {', '.join(lacks)}")
+    draw = plot_stress if stress else plot_latency
     draw(rows, meta, path.with_suffix(""))
 
 
