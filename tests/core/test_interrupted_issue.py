@@ -482,6 +482,12 @@ def test_a_timeout_while_the_cache_waits_for_a_copy_reaches_the_caller(
             # whatever the machine's speed (the write could land before drain was called)
             cache.faults.add("hang", op="write")
             serve(cache, C)
+            for _ in range(3_000):  # bounded: until the write is issued and held (polls issue it)
+                cache.poll()
+                if cache.faults.hanging:
+                    break
+                threading.Event().wait(0.01)
+            assert cache.faults.hanging == 1
         monkeypatch.setattr(Ticket, "wait", wait_then_signal)
         with pytest.raises(Timeout):
             if req is not None:
