@@ -16,7 +16,7 @@ DOC = ROOT / "docs" / "RESULTS.md"
 RESULTS = ROOT / "bench" / "results"
 
 TRANSFER = "transfer-2026-12-05-h200.json"
-LATENCY = "bench_hicache-qwen3-8b-2026-12-05-h200-quick.json"
+LATENCY = "bench_hicache-qwen3-8b-2026-12-06-h200-quick.json"
 LONG = "bench_hicache-qwen3-8b-2026-12-05-h200-long.json"
 ROWS = "bench_hicache-qwen3-8b-2026-12-02-h200-quick-rows.json"
 STRAIGHT = "bench_hicache-qwen3-8b-2026-12-02-h200-quick-straight.json"
