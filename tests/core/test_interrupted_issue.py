@@ -552,6 +552,28 @@ def test_an_interrupt_while_the_h2d_after_a_landed_read_is_issued_fails_the_rest
     cache.close()
 
 
+def release_with_signals(cache: HiCache, signums: Sequence[int]) -> None:
+    """Serve A, admit it again and release it with ``signums`` raised, in order, right after
+    the core gave the request's lease back (inside the atomic release)."""
+    serve(cache, A)
+    cache.drain()
+    core = cache.controller.core
+    real = core.release
+
+    def release_then_signals(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        for signum in signums:
+            signal.raise_signal(signum)
+        return out
+
+    req = cache.admit(A)
+    core.release = release_then_signals  # type: ignore[method-assign]
+    try:
+        cache.release(req)
+    finally:
+        core.release = real  # type: ignore[method-assign]
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 here")
 @pytest.mark.usefixtures("python_sigint")
 def test_a_signal_held_beside_a_ctrl_c_reaches_its_handler_with_it(armed: Armed, tmp_path: Any) -> None:
@@ -562,22 +584,8 @@ def test_a_signal_held_beside_a_ctrl_c_reaches_its_handler_with_it(armed: Armed,
     before = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
     try:
         cache = make(armed, tmp_path)
-        serve(cache, A)
-        cache.drain()
-        core = cache.controller.core
-        real = core.release
-
-        def release_then_signals(*args: Any, **kwargs: Any) -> Any:
-            out = real(*args, **kwargs)
-            signal.raise_signal(signal.SIGINT)
-            signal.raise_signal(signal.SIGUSR1)
-            return out
-
-        req = cache.admit(A)
-        core.release = release_then_signals  # type: ignore[method-assign]
         with pytest.raises(KeyboardInterrupt):
-            cache.release(req)
-        core.release = real  # type: ignore[method-assign]
+            release_with_signals(cache, (signal.SIGINT, signal.SIGUSR1))
         for _ in range(100):  # the handler runs between two bytecodes: at once, in practice
             if seen:
                 break
@@ -609,22 +617,8 @@ def test_every_signal_held_reaches_its_handler_when_two_handlers_raise(armed: Ar
     before = usr1, signal.signal(signal.SIGTERM, term)
     try:
         cache = make(armed, tmp_path)
-        serve(cache, A)
-        cache.drain()
-        core = cache.controller.core
-        real = core.release
-
-        def release_then_signals(*args: Any, **kwargs: Any) -> Any:
-            out = real(*args, **kwargs)
-            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-                signal.raise_signal(signum)
-            return out
-
-        req = cache.admit(A)
-        core.release = release_then_signals  # type: ignore[method-assign]
         with pytest.raises((KeyboardInterrupt, Term)):
-            cache.release(req)
-        core.release = real  # type: ignore[method-assign]
+            release_with_signals(cache, (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
         for _ in range(100):  # a handler still tripped runs at the next check: at once, in practice
             try:
                 if sorted(seen) == ["TERM", "USR1"]:

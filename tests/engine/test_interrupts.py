@@ -262,6 +262,21 @@ class Timeout(Exception):
     """What a timeout's SIGALRM handler raises."""
 
 
+def step_through(e: Engine, raised: type[BaseException]) -> tuple[list[Any], int]:
+    """Step until nothing is pending (bounded: a few steps serve one request), catching
+    ``raised``; the outputs and how many were caught."""
+    outs: list[Any] = []
+    caught = 0
+    for _ in range(1_000):
+        try:
+            outs.extend(e.step())
+        except raised:
+            caught += 1
+        if not e.pending:
+            break
+    return outs, caught
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="no SIGALRM here")
 @pytest.mark.parametrize("nth", [1, 3])
 @pytest.mark.parametrize("step", ["adopt", "free_private", "lock", "release", "start", "complete", "evict_node"])
@@ -334,14 +349,7 @@ def test_a_timeout_while_a_blocking_restore_waits_leaves_the_request_to_finish(t
         setattr(owner, "wait", wait_then_signal)  # noqa: B010
         try:
             rid = e.submit(prompt, max_new_tokens=3)
-            outs, caught = [], 0
-            for _ in range(1_000):  # bounded: a few steps serve it
-                try:
-                    outs.extend(e.step())
-                except Timeout:
-                    caught += 1
-                if not e.pending:
-                    break
+            outs, caught = step_through(e, Timeout)
         finally:
             setattr(owner, "wait", real)  # noqa: B010
         assert fired[0] == caught == 1
@@ -376,14 +384,7 @@ def test_an_interrupt_right_after_a_blocking_restore_returned_leaves_the_request
 
         controller.restore = restore_then_interrupt  # type: ignore[method-assign]
         rid = e.submit(prompt, max_new_tokens=3)
-        outs, caught = [], 0
-        for _ in range(1_000):  # bounded: a few steps serve it
-            try:
-                outs.extend(e.step())
-            except Interrupt:
-                caught += 1
-            if not e.pending:
-                break
+        outs, caught = step_through(e, Interrupt)
         assert caught == 1 and not e.pending
         assert [(o.id, o.error, o.tokens) for o in outs] == [(rid, None, want)]
         check_clean(e)
