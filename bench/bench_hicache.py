@@ -22,27 +22,39 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from common import (
-    CallTimer,
-    PageCheck,
-    add_out_args,
-    at_least,
-    device_name,
-    engine_settings,
-    guarded,
-    results_done,
-    write_results,
-)
-from plots import plot_latency
-from tqdm import tqdm
+try:  # NOTE: these import torch (seconds): Ctrl-C there ends as it does later, one line and 130
+    import torch
+    from common import (
+        CallTimer,
+        PageCheck,
+        add_out_args,
+        at_least,
+        device_name,
+        engine_settings,
+        guarded,
+        results_done,
+        write_results,
+    )
+    from plots import plot_latency
+    from tqdm import tqdm
 
-import hicache.backends.transfer as transfer_engine
-import hicache.engine.engine as engine_module
-import hicache.engine.model as model_runner
-from hicache.engine import build_model
-from hicache.engine.cli import ArgParser, add_engine_args, check_flags, dtype_of, engine_from_args, served_from, warn
-from hicache.flags import FlagError, given_flags, int_between
+    import hicache.backends.transfer as transfer_engine
+    import hicache.engine.engine as engine_module
+    import hicache.engine.model as model_runner
+    from hicache.engine import build_model
+    from hicache.engine.cli import (
+        ArgParser,
+        add_engine_args,
+        check_flags,
+        dtype_of,
+        engine_from_args,
+        served_from,
+        warn,
+    )
+    from hicache.flags import FlagError, given_flags, int_between
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 # Engine flags this bench sets per tier and prefix length itself (run_tier), and why.
 SET_PER_TIER = {

@@ -29,30 +29,35 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import torch
-from common import (
-    PageCheck,
-    add_out_args,
-    at_least,
-    device_name,
-    engine_settings,
-    existing_dir,
-    guarded,
-    results_done,
-    write_results,
-)
-from plots import plot_stress
-from tqdm import tqdm
+try:  # NOTE: these import torch (seconds): Ctrl-C there ends as it does later, one line and 130
+    import torch
+    from common import (
+        PageCheck,
+        add_out_args,
+        at_least,
+        device_name,
+        engine_settings,
+        existing_dir,
+        guarded,
+        results_done,
+        write_results,
+    )
+    from plots import plot_stress
+    from tqdm import tqdm
 
-from hicache.engine import Engine, Output, build_model
-from hicache.engine.cli import ArgParser, add_engine_args, check_flags, dtype_of, engine_from_args, served_from
-from hicache.flags import FlagError, int_between
+    from hicache.engine import Engine, Output, build_model
+    from hicache.engine.cli import ArgParser, add_engine_args, check_flags, dtype_of, engine_from_args, served_from
+    from hicache.flags import FlagError, int_between
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 Config = tuple[str, str, str]  # (tier, storage, policy)
 SOURCES = {"recompute": "r", "L1": "1", "L2": "2", "L3": "3"}  # served_from -> letter
@@ -237,6 +242,11 @@ def parser() -> ArgParser:
     return ap
 
 
+def _times(value: float, base: float) -> str:
+    """``value / base`` as ``1.23x``, or ``-`` without a base (no row without hicache ran)."""
+    return f"{value / base:.2f}x" if base == base and base else "-"
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = parser()
     args = ap.parse_args(argv)
@@ -371,7 +381,7 @@ def run(args: argparse.Namespace, dtype: torch.dtype) -> list[dict[str, Any]]:
         )
         print(
             f"{r['variant']:>9} {r['tier']:>4} {r['storage']:>9} {r['policy']:>6} {r['req_per_s']:>8.2f} "
-            f"{r['req_per_s'] / base:>6.2f}x {r['ttft_ms_median']:>8.2f} "
+            f"{_times(r['req_per_s'], base):>7} {r['ttft_ms_median']:>8.2f} "
             f"{s['recompute']:>4}/{s['L1']:>2}/{s['L2']:>2}/{s['L3']:>2} "
             f"{r['fallbacks']:>6} {ov:>7} {r['decode_tokens_per_s']:>9.1f} {cb:>16} "
             f"{r['restores_checked'] - r['page_mismatches']:>4}/{r['restores_checked']:<4}"

@@ -232,8 +232,8 @@ def file_stem(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_+-]+", "_", text).strip("_") or "_"
 
 
-def add_out_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", type=out_dir, default=default_out(), help="directory for the JSON and PNG")
+def add_out_args(ap: argparse.ArgumentParser, writes: str = "the JSON and PNG") -> None:
+    ap.add_argument("--out", type=out_dir, default=default_out(), help=f"directory for {writes}")
     ap.add_argument(
         "--tag", type=tag_name, default=None, help="file name suffix (default: the device, e.g. h200 or cpu)"
     )

@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prefix-tokens", type=at_least(2), default=None, help="default: 200 on CPU, 2000 on CUDA")
     ap.add_argument("--sample-s", type=positive_float, default=30.0, help="seconds between RSS samples")
     ap.add_argument("--seed", type=at_least(0), default=0, help="seed of the workload, faults and aborts")
-    add_out_args(ap)
+    add_out_args(ap, writes="the JSON")
     ap.add_argument("--no-verify-pages", action="store_true", help="skip the per-page digests (for bisecting)")
     ap.set_defaults(num_pages=None)
     argv = sys.argv[1:] if argv is None else argv

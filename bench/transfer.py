@@ -28,32 +28,37 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 from typing import Any
 
-import torch
-from common import (
-    at_least,
-    between,
-    file_stem,
-    git_commit,
-    guarded,
-    out_dir,
-    results_done,
-    tag_name,
-    torch_device,
-    unfinished,
-)
+try:  # NOTE: these import torch (seconds): Ctrl-C there ends as it does later, one line and 130
+    import torch
+    from common import (
+        at_least,
+        between,
+        file_stem,
+        git_commit,
+        guarded,
+        out_dir,
+        results_done,
+        tag_name,
+        torch_device,
+        unfinished,
+    )
 
-from hicache.backends import kernels
-from hicache.backends.pools import DevicePool, HostPool
-from hicache.backends.ticket import Ticket
-from hicache.backends.transfer import GATHER, SCATTER, Copy, TransferEngine
-from hicache.core.geometry import KVGeometry
-from hicache.engine.cli import ArgParser
+    from hicache.backends import kernels
+    from hicache.backends.pools import DevicePool, HostPool
+    from hicache.backends.ticket import Ticket
+    from hicache.backends.transfer import GATHER, SCATTER, Copy, TransferEngine
+    from hicache.core.geometry import KVGeometry
+    from hicache.engine.cli import ArgParser
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 QWEN3_8B = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
 SMALL = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
@@ -429,7 +434,7 @@ def main() -> None:
         type=between(1, 8 * MAX_PAGES),
         default=0,
         help="the L1 pool's pages (its width: a page's rows are that many pages apart); "
-        "default and least: twice the largest size, plus 8",
+        "by default, and at least (a smaller value is raised to it): twice the largest size, plus 8",
     )
     ap.add_argument(
         "--backend",

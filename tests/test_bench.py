@@ -481,6 +481,19 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
     assert err == ""
 
 
+@pytest.mark.parametrize("script", ["bench_hicache.py", "bench_hicache_stress.py", "transfer.py"])
+def test_ctrl_c_while_a_benchmark_imports_torch_is_one_line_and_130(script: str) -> None:
+    """Ctrl-C during a benchmark's seconds-long imports (torch first) prints ``interrupted``
+    and exits 130, as it does later in the run (it was a traceback)."""
+    path = str(ROOT / "bench" / script)
+    run = run_with_import_interrupted(
+        f"sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
+        f"sys.argv = [{path!r}, '--help']\n"
+        f"runpy.run_path({path!r}, run_name='__main__')\n"
+    )
+    assert (run.returncode, run.stdout, run.stderr) == (130, "", "interrupted\n")
+
+
 def test_ctrl_c_while_the_main_job_imports_torch_is_one_line_and_130() -> None:
     """Ctrl-C during the main job's seconds-long import of the benchmarks (and torch) prints
     ``interrupted`` and exits 130, as it does later (it was a traceback)."""
