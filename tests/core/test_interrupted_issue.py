@@ -84,7 +84,7 @@ def armed(monkeypatch: pytest.MonkeyPatch) -> Iterator[Armed]:
     yield switch
 
 
-def make(armed: Armed, tmp_path: Any) -> HiCache:
+def make(armed: Armed, tmp_path: Any, deadline_s: float = 10.0) -> HiCache:
     config = HiCacheConfig(
         GEOMETRY,
         l1_pages=5,  # one prompt's 4 pages: each next prompt evicts the last from L1
@@ -93,6 +93,7 @@ def make(armed: Armed, tmp_path: Any) -> HiCache:
         device="cpu",
         policy="always",
         storage_path=str(tmp_path / "l3.bin"),
+        storage_deadline_s=deadline_s,
     )
     return HiCache(config, mover=lambda cache: Mover(cache, armed))
 
@@ -461,7 +462,9 @@ def test_a_timeout_while_the_cache_waits_for_a_copy_reaches_the_caller(
 
     before = signal.signal(signal.SIGALRM, timeout)
     try:
-        cache = make(armed, tmp_path)
+        # NOTE: the write held below must not reach its deadline on a loaded machine (failed
+        # there, it is no longer waited for: drain() would have nothing to wait on)
+        cache = make(armed, tmp_path, deadline_s=3600.0)
         for prompt in (A, B):
             serve(cache, prompt)
             cache.drain()
