@@ -317,7 +317,9 @@ def test_a_timeout_raised_by_a_signal_handler_inside_the_bookkeeping_loses_nothi
 
 @pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="no SIGALRM here")
 @pytest.mark.parametrize("tier", ["L2", "L3"])
-def test_a_timeout_while_a_blocking_restore_waits_leaves_the_request_to_finish(tier: str) -> None:
+def test_a_timeout_while_a_blocking_restore_waits_leaves_the_request_to_finish(
+    tier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``prefetch=False`` restores at admission and waits there, with signals not held: a
     SIGALRM handler's exception raised while it waits comes out of the step, the restore goes
     on in flight, and the request finishes with a recompute's tokens (it was failed with a
@@ -346,12 +348,12 @@ def test_a_timeout_while_a_blocking_restore_waits_leaves_the_request_to_finish(t
                 signal.raise_signal(signal.SIGALRM)
             return real(self, *args, **kwargs)
 
-        setattr(owner, "wait", wait_then_signal)  # noqa: B010
-        try:
+        # NOTE: monkeypatch, not setattr and back: StoreTicket inherits wait, and setting the
+        # inherited function back on it would hide later patches of Ticket.wait from it
+        with monkeypatch.context() as patched:
+            patched.setattr(owner, "wait", wait_then_signal)
             rid = e.submit(prompt, max_new_tokens=3)
             outs, caught = step_through(e, Timeout)
-        finally:
-            setattr(owner, "wait", real)  # noqa: B010
         assert fired[0] == caught == 1
         assert [(o.id, o.error, o.tokens) for o in outs] == [(rid, None, want)]
         check_clean(e)
