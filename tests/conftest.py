@@ -52,3 +52,40 @@ def _settle_dropped_caches() -> Iterator[None]:
             settle()
         for w in seen:  # shown as the run's filters say (-W error::ResourceWarning fails the test)
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _methods() -> dict[tuple[type, str], object]:
+    """Every function-like attribute in the own namespace of each class of a loaded
+    ``hicache`` module: what a test patching a method must leave as it found it."""
+    import sys
+    import types
+
+    seen: dict[tuple[type, str], object] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "hicache" or name.startswith("hicache.")):
+            continue
+        for cls in list(vars(module).values()):
+            if not isinstance(cls, type) or cls.__module__ != name:
+                continue
+            for attr, value in list(vars(cls).items()):
+                if isinstance(value, (types.FunctionType, property, staticmethod, classmethod)):
+                    seen[(cls, attr)] = value
+    return seen
+
+
+@pytest.fixture(autouse=True)
+def _no_patched_method_left() -> Iterator[None]:
+    """A method patched by hand and set back with ``setattr`` stays on the class it was
+    set on: set back on a subclass that inherited it, it hides every later patch of the
+    base's (a scene waiting on the real method for good). monkeypatch undoes it right."""
+    before = _methods()
+    yield
+    after = _methods()
+    classes = {cls for cls, _ in before}
+    left = sorted(
+        f"{cls.__qualname__}.{attr}"
+        for (cls, attr), value in after.items()
+        if before.get((cls, attr), None if cls in classes else value) is not value
+    )
+    if left:
+        raise AssertionError(f"the test left methods patched: {', '.join(left)}")
