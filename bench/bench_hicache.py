@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = dtype_of(args)
     try:
         check_flags(args)  # --device, --model: before a model is built
+        if "l3" in args.tiers:  # NOTE: the storage flags as the l3 tier's engine reads them, before any tier runs
+            check_flags(argparse.Namespace(**{**vars(args), "enable_hicache": True, "hicache_storage_ratio": 1.0}))
         net = build_model(args.model, device=args.device, dtype=dtype)
         rows = [run_tier(net, args, tier, p) for p in args.prefix_tokens for tier in args.tiers]
     except FlagError as exc:

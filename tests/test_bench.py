@@ -176,6 +176,14 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
             "error: --prefix-tokens 20000000: must be an integer in [1, 1,000,000]",
         ),
         (["fleet.py", "--instances", "0"], "error: --instances 0: must be at least 1"),
+        (
+            [
+                "bench_hicache.py",
+                *("--model", "tiny", "--prefix-tokens", "32", "--tiers", "none", "l3"),
+                *("--hicache-storage-path", "/nonexistent/l3.bin"),
+            ],
+            "error: --hicache-storage-path /nonexistent/l3.bin: ",
+        ),
         (["soak.py", "--hot", "-1"], "error: --hot -1: must be at least 1"),
         (["soak.py", "--rotating", "0"], "error: --rotating 0: must be at least 1"),
         (["soak.py", "--warmup", "0"], "error: --warmup 0: must be at least 1"),
