@@ -559,6 +559,11 @@ class Engine:
         self.stats.cache_s += time.perf_counter() - t0
         for restore in finished:
             self._restored(restore)
+        # NOTE: and every finished restore not handed over: an interrupt after poll() returned
+        # (on its way out, or between two hand-overs) lost the rest of its list for good
+        for seq in [s for s in self._active.values() if s.state is SeqState.RESTORING]:
+            if seq.restore is not None and seq.restore.finished:
+                self._restored(seq.restore)
         if not self._active:
             self._admission_held = False  # those it waited for left (finished, aborted, failed)
         deferred: list[_Seq] = []
@@ -914,17 +919,24 @@ class Engine:
         return True
 
     def _restored(self, restore: PendingRestore) -> None:
+        """Hand a finished restore to its request: READY (to prefill its tail), or its first
+        token from the layered prefill that ran beside the copy. Once per restore: one
+        handed over already (by a sweep, before its poll) is left as it is."""
         seq = self._active.get(self._by_request(restore.request))
-        if seq is None or seq.restore is not restore:
-            return  # aborted meanwhile: the pages went to the tree
-        seq.state = SeqState.READY
+        if seq is None or seq.restore is not restore or seq.state is not SeqState.RESTORING:
+            return  # aborted meanwhile (the pages went to the tree), or handed over already
         seq.restore_wait = time.perf_counter() - seq.restore_started
-        if not restore.done:
+        if not restore.done and not seq.restore_failed:
             self._restore_failed(seq)
-        layered, seq.layered = seq.layered, None
+        layered = seq.layered
+        if layered is not None:
+            self.runner.join_layered()  # its logits and pages are read (or reused) on this stream now
+        # NOTE: READY last: an interrupt before it leaves the request RESTORING, handed over
+        # again by the next step's sweep; after it, the tail is prefilled again (no logits)
+        seq.layered = None
+        seq.state = SeqState.READY
         if layered is None:
             return
-        self.runner.join_layered()  # its logits and pages are read (or reused) on this stream now
         req = seq.req
         assert req is not None
         ps = self.page_size

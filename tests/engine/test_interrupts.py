@@ -392,3 +392,50 @@ def test_an_interrupt_right_after_a_blocking_restore_returned_leaves_the_request
         check_clean(e)
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("where", ["after poll returned them", "after the first was handed over"])
+def test_an_interrupt_while_finished_restores_are_handed_over_leaves_none_waiting(where: str) -> None:
+    """Two restores finish in one poll: an interrupt once poll has returned them (on its way
+    out), or between their hand-overs, loses that list, and no poll reports them again; the
+    next step still hands each to its request, once (each was left RESTORING for good and
+    ``run()`` spun forever)."""
+    from hicache.spec.model import Tier
+    from tests.engine.test_request_edges import drop
+
+    e = edge_engine()
+    try:
+        a, b = list(range(1, 30)), list(range(100, 130))
+        want = {tuple(p): e.generate(p, max_new_tokens=2).tokens for p in (a, b)}
+        drop(e, Tier.L1)
+        fired = [0]
+        if where == "after poll returned them":
+            real_poll = e.cache.poll
+
+            def poll() -> Any:
+                out = real_poll()
+                if len(out) == 2 and not fired[0]:
+                    fired[0] = 1
+                    raise Interrupt("after poll returned")
+                return out
+
+            e.cache.poll = poll  # type: ignore[method-assign]
+        else:
+            real_restored = e._restored
+
+            def restored(restore: Any) -> None:
+                real_restored(restore)
+                if not fired[0]:
+                    fired[0] = 1
+                    raise Interrupt("between two hand-overs")
+
+            e._restored = restored  # type: ignore[method-assign]
+        ids = {e.submit(p, max_new_tokens=2): tuple(p) for p in (a, b)}
+        outs, caught = step_through(e, Interrupt)
+        assert fired[0] == caught == 1
+        assert not e.pending, {rid: e.state_of(rid) for rid in ids}
+        assert sorted((o.id, o.error, o.tokens) for o in outs) == sorted((i, None, want[p]) for i, p in ids.items())
+        assert e.stats.restores_failed == 0
+        check_clean(e)
+    finally:
+        e.close()
