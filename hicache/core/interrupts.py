@@ -163,6 +163,13 @@ def from_signal(exc: BaseException) -> bool:
     return True
 
 
+def by_signal(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a held signal's handler raised, leaving it for the caller's
+    :func:`from_signal`: code below the controller that takes a failure for a bad answer
+    (a store's ``available`` that raises) passes such an exception on instead."""
+    return exc is _Held.raised
+
+
 def atomic(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn`` runs with signals held (module docstring)."""
 

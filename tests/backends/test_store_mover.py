@@ -355,3 +355,49 @@ def test_a_flapping_or_hung_store_is_logged_once_per_period(
     assert sum("failing" in r.getMessage() for r in caplog.records) == 1
     hung.faults.release()
     hung.close()
+
+
+class _Interrupt(KeyboardInterrupt):
+    """Ctrl-C, as Python raises it between two bytecodes of an interruptible issue."""
+
+
+@pytest.mark.parametrize("where", ["host fence", "slot fence", "queue", "queued"])
+def test_an_interrupt_while_a_copy_is_issued_leaves_nothing_waiting_on_it(where: str) -> None:
+    """Issuing a copy is interruptible (a mover may block): an interrupt once the job is
+    registered and fenced but not (or just) queued reaches the caller, and no ticket that no
+    one holds is left fenced on the pages (the next copy of those slots waited on it until
+    its deadline, with none for good). Then every page moves bit-exactly."""
+    s = file_store(deadline_s=None, workers=1)
+    try:
+        obj, name = {
+            "host fence": (s.host, "fence"),
+            "slot fence": (s._slot_fences, "fence"),
+            "queue": (s._queue, "put"),
+            "queued": (s._queue, "put"),
+        }[where]
+        real = getattr(obj, name)
+
+        def interrupted(*args: Any, **kwargs: Any) -> Any:
+            setattr(obj, name, real)
+            if where == "queued":
+                real(*args, **kwargs)
+            raise _Interrupt(where)
+
+        setattr(obj, name, interrupted)
+        with pytest.raises(_Interrupt):
+            s.write([0, 1], [2, 3])
+        assert getattr(obj, name) == real
+        want = s.host.bytes[[0, 1]].clone()
+        done = threading.Event()
+        result: list[bool] = []
+
+        def copies() -> None:  # the next copies of those slots and pages
+            result.append(s.write([0, 1], [2, 3]).wait() and s.read([2, 3], [4, 5]).wait())
+            done.set()
+
+        threading.Thread(target=copies, daemon=True).start()
+        assert done.wait(120), "the next copy of those slots waits on a ticket no one holds"
+        assert result == [True] and torch.equal(s.host.bytes[[4, 5]], want)
+        assert eventually(lambda: not s._active)
+    finally:
+        s.close()

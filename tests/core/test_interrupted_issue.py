@@ -664,3 +664,68 @@ def test_an_interrupt_while_room_is_made_for_a_copy_leaves_no_pin(tmp_path: Any)
     cache.release(req)
     nothing_held(cache)
     cache.close()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="no SIGALRM here")
+@pytest.mark.parametrize("read", ["available", "status"])
+def test_a_timeout_while_the_store_is_asked_during_an_issue_reaches_the_caller(read: str) -> None:
+    """Issuing an L3 copy asks the store whether it is available (and, when not, its status):
+    a timeout's SIGALRM handler that raises meanwhile is the caller's, not a store that
+    raised: it reaches the caller (it was logged as ``available raised`` and the copy failed
+    as "store unavailable", the timeout lost), and nothing stays held."""
+    import sys
+
+    from hicache.testing.memory_store import MemoryStore
+
+    def issuing() -> bool:  # NOTE: whether the mover is issuing a copy (its _submit) up the stack
+        frame: Any = sys._getframe(1)
+        names = set()
+        for _ in range(5):
+            frame = frame.f_back if frame is not None else None
+            names.add(frame.f_code.co_name if frame is not None else "")
+        return "_submit" in names
+
+    class Asked(MemoryStore):
+        fire = False
+
+        @property
+        def available(self) -> bool:
+            self._maybe_fire("available")
+            return read != "status" or not issuing()  # status: down once the copy is issued
+
+        def status(self) -> dict[str, Any]:
+            self._maybe_fire("status")
+            return {"error": "down"}
+
+        def _maybe_fire(self, what: str) -> None:
+            if Asked.fire and what == read and issuing():
+                Asked.fire = False
+                signal.raise_signal(signal.SIGALRM)
+
+    def timeout(signum: int, frame: object) -> None:
+        raise Timeout
+
+    before = signal.signal(signal.SIGALRM, timeout)
+    try:
+        config = HiCacheConfig(
+            GEOMETRY, l1_pages=8, l2_pages=8, l3_pages=16, policy="always", device="cpu", model_id="m"
+        )
+        cache = HiCache(config, store=lambda host: Asked(host))
+        try:
+            req = cache.admit(A)
+            pages = cache.allocate(req, len(A) // PS)
+            assert pages is not None
+            Asked.fire = True
+            with pytest.raises(Timeout):
+                cache.insert(req, pages)  # the D2H lands at once on CPU: its landing issues the H2S
+                cache.release(req)
+                cache.drain()
+            assert not Asked.fire  # it fired, in the issue
+            assert cache.storage is not None and cache.storage.counts["available_raised"] == 0
+            for r in cache.controller.requests():
+                cache.release(r)
+            nothing_held(cache)
+        finally:
+            cache.close()
+    finally:
+        signal.signal(signal.SIGALRM, before)

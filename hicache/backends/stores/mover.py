@@ -34,6 +34,7 @@ from hicache.backends.pools import HostPool, PageFences, check_pages
 from hicache.backends.stores import at_exit
 from hicache.backends.stores.base import LOST, STORED, Op, PageStatus, PageStore, StoreTicket
 from hicache.backends.transfer import DeviceTicket
+from hicache.core.interrupts import by_signal
 from hicache.core.keys import KEY_BYTES
 from hicache.errors import ConfigError, MisuseError, PageOwnershipError
 from hicache.spec.model import Direction
@@ -198,6 +199,8 @@ class StoreMover:
         try:
             status = self.store.status()
         except Exception as exc:
+            if by_signal(exc):
+                raise  # NOTE: a timeout's, while a copy was issued: the caller's, not the store's
             return {"error": f"status() raised {exc!r}"}
         return dict(status) if isinstance(status, dict) else {"error": f"status() returned {status!r:.60}"}
 
@@ -206,6 +209,8 @@ class StoreMover:
         try:
             return bool(self.store.available)
         except Exception as exc:
+            if by_signal(exc):
+                raise  # NOTE: a timeout's, while a copy was issued: the caller's, not the store's
             if not self.counts["available_raised"]:  # NOTE: once: it is read at every admission
                 log.warning("hicache L3 store's available raised: %r (taken as unavailable)", exc)
             self.counts["available_raised"] += 1
@@ -365,12 +370,20 @@ class StoreMover:
         if keys is not None:
             job.above = list(above)
         job.deps = [d for d in deps if isinstance(d, DeviceTicket)]
-        with self._lock:
-            self._active.add(job)
         ticket.bind(lambda block: self._check(job, block), lambda: self._withdraw(job))
-        self.host.fence(host_pages, ticket, write=to_l2)
-        self._slot_fences.fence(slots, ticket, write=not to_l2)
-        self._queue.put((_READ if op == "read" else _WRITE, next(self._seq), job, -1))
+        try:
+            with self._lock:
+                self._active.add(job)
+            self.host.fence(host_pages, ticket, write=to_l2)
+            self._slot_fences.fence(slots, ticket, write=not to_l2)
+            self._queue.put((_READ if op == "read" else _WRITE, next(self._seq), job, -1))
+        except BaseException:
+            # NOTE: an interrupt (a signal handler's exception: issuing is interruptible) once
+            # the job was registered: no one gets this ticket, and fenced but never queued it
+            # would hold the next copy of these pages until its deadline (with none: forever);
+            # withdrawn, it never runs (queued chunks skip it) and is finished for its waiters
+            self._withdraw(job)
+            raise
         ticket.timings.enqueue_s = time.perf_counter() - t0
         return ticket
 
