@@ -78,3 +78,46 @@ def test_the_waits_share_one_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     at_exit._wait_all()
     assert 5.0 <= now[0] < 5.0 + 2 * at_exit._POLL_S
     assert at_exit._waits == []
+
+
+# A call still running at exit (its thread ends once a gate opens), and an exit handler of
+# the program's or a library's that says what the exit still waits for when it runs.
+ORDER = r"""
+import atexit, sys, threading
+from hicache.backends.stores import at_exit
+
+how = sys.argv[1]
+gates = [threading.Event() for _ in range(2)]
+calls = [threading.Thread(target=g.wait, args=(30,), daemon=True) for g in gates]
+for t in calls:
+    t.start()
+
+def opener():  # the calls return as the interpreter ends
+    for g in gates:
+        g.wait(0.2)
+        g.set()
+
+def handler():
+    if how == "closes":  # the program closes its cache at exit: the store's call outlives close()
+        at_exit.wait_at_exit(lambda: not calls[1].is_alive(), 30.0, "call B")
+    print("the handler ran; the exit still waits for:", at_exit.pending(), flush=True)
+
+if how == "library":
+    at_exit.wait_at_exit(lambda: not calls[0].is_alive(), 30.0, "call A")
+atexit.register(handler)  # a library's, initialised lazily after the first wait; or the program's
+if how == "library":
+    at_exit.wait_at_exit(lambda: not calls[1].is_alive(), 30.0, "call B")
+threading.Thread(target=opener, daemon=True).start()
+"""
+
+
+@pytest.mark.parametrize("how", ["library", "closes"])
+def test_an_exit_handler_registered_after_a_wait_does_not_get_ahead_of_it(how: str) -> None:
+    """A library's exit handler registered after the first wait (a client initialised on its
+    first call) runs after the exit has waited for every call, those registered after it
+    included (it ran first, tearing the library down under a call still inside it); a wait
+    registered by an exit handler (a program that closes its cache at exit) is waited for
+    there (Python calls no exit handler registered while they run: it was skipped)."""
+    run = subprocess.run([sys.executable, "-c", ORDER, how], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "the handler ran; the exit still waits for: []", (run.stdout, run.stderr)

@@ -29,16 +29,28 @@ _lock = threading.Lock()
 _waits: list[tuple[Callable[[], bool], float, str]] = []  # (done?, the most to wait in s, what)
 
 
+_waiting = False  # _wait_all is running: what is registered meanwhile joins its loop
+
+
 def wait_at_exit(done: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """At the interpreter's exit, wait until ``done()`` (at most ``timeout_s``) for ``what``."""
+    """At the interpreter's exit, wait until ``done()`` (at most ``timeout_s``) for ``what``.
+    Called once the exit has started (a cache closed by an exit handler), it waits now:
+    Python calls no exit handler registered while they run."""
     with _lock:
         _waits[:] = [w for w in _waits if not _done(w[0])]
-        if not _waits:
-            # NOTE: registered again so it runs first (atexit runs the last registered first):
-            # before the exit handlers of the libraries the waited-for work is still inside
+        _waits.append((done, timeout_s, what))
+        if _waiting:
+            return
+        exiting = not threading.main_thread().is_alive()  # NOTE: the exit stops it before its handlers
+        if not exiting:
+            # NOTE: registered again at every call so it runs first (atexit runs the last
+            # registered first): before the exit handlers of the libraries the waited-for
+            # work is still inside, those registered since the last call included. Not
+            # once the exit has started: unregistered then, it would not run at all.
             atexit.unregister(_wait_all)
             atexit.register(_wait_all)
-        _waits.append((done, timeout_s, what))
+    if exiting:
+        _wait_all()
 
 
 def pending() -> list[str]:
@@ -58,6 +70,19 @@ def _wait_all() -> None:
     """Wait for each until it is done or its bound, counted from the exit's start, has
     passed: all together for at most the longest bound, those registered meanwhile (a store's
     close that itself waits on a thread) included."""
+    global _waiting
+    with _lock:
+        if _waiting:
+            return
+        _waiting = True
+    try:
+        _wait_for_each()
+    finally:
+        with _lock:
+            _waiting = False
+
+
+def _wait_for_each() -> None:
     start = _clock()
     while True:
         with _lock:
