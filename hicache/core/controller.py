@@ -767,12 +767,13 @@ class Controller:
         if transfer is None:
             return None
         l3: StorageTicketLike | None = None
+        h2d: TicketLike | None = None
         try:
             with interruptible():  # NOTE: a mover may block; an interrupt here fails this transfer
                 if direction is Direction.D2H:
                     ticket = self.device.d2h(transfer.src, transfer.dst)
                 elif direction is Direction.H2D:
-                    ticket = self.device.h2d(transfer.src, transfer.dst, layer_events=layer_events)
+                    ticket = h2d = self.device.h2d(transfer.src, transfer.dst, layer_events=layer_events)
                 elif self.storage is None:
                     raise IntegrityError("structure", repr(node), f"{direction.name} without storage")
                 else:
@@ -800,6 +801,10 @@ class Controller:
             # NOTE: an interrupt (Ctrl-C) while the mover issued it: no job will ever end this
             # transfer, so it fails here (its pages go back; the pools' fences order any copy
             # the mover had queued before their next use) and the interrupt goes on.
+            if h2d is not None:
+                # NOTE: one that came once the H2D was issued: its L1 pages go back to the pool,
+                # and the engine's next forward on them is ordered by no fence: the copy first
+                self._wait_quietly(h2d)
             core.fail(transfer)
             self.metrics.directions[direction.name].failed += 1
             raise
@@ -810,6 +815,14 @@ class Controller:
             if layer_events is not None and direction is Direction.H2D:
                 restore.layer_pages = tuple(self._prefix_after(restore.request, transfer))
         return job
+
+    @staticmethod
+    def _wait_quietly(ticket: TicketLike) -> None:
+        """Wait for ``ticket``'s copy to end, whatever its ticket says or raises."""
+        try:
+            ticket.wait()
+        except Exception as exc:
+            log.warning("hicache: an interrupted copy's ticket raised: %r", exc)
 
     def _keys(self, transfer: Transfer) -> list[bytes]:
         """The content keys of a transfer's pages (its runs', in order)."""

@@ -729,3 +729,60 @@ def test_a_timeout_while_the_store_is_asked_during_an_issue_reaches_the_caller(r
             cache.close()
     finally:
         signal.signal(signal.SIGALRM, before)
+
+
+def test_an_interrupt_as_the_issued_h2d_is_handed_back_waits_for_its_copy_first(
+    armed: Armed, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt that comes as the mover hands back an H2D it issued (the end of the
+    interruptible stretch) fails that transfer: its L1 pages go back to the pool, where the
+    engine's next forward on them is ordered by no fence, so the copy is waited for first
+    (on a GPU it could still land over that forward's pages). Then all is as before."""
+    from contextlib import contextmanager
+
+    from hicache.core import controller as controller_module
+
+    cache = make(armed, tmp_path)
+    try:
+        for prompt in (A, B):
+            serve(cache, prompt)
+            cache.drain()
+        mover = cache.controller.device
+        real_h2d, real_interruptible = mover.h2d, interrupts.interruptible
+        issued: list[Any] = []
+        waited: list[bool] = []
+
+        def h2d(src: Sequence[int], dst: Sequence[int], layer_events: Sequence[Any] | None = None) -> Any:
+            ticket = real_h2d(src, dst, layer_events=layer_events)
+            real_wait = ticket.wait
+
+            def wait() -> bool:  # whether its pages were still its own when it was waited for
+                waited.append(not set(dst) & set(cache.controller.core.l1.free_pages()))
+                return bool(real_wait())
+
+            ticket.wait = wait  # type: ignore[method-assign]
+            issued.append(ticket)
+            return ticket
+
+        @contextmanager
+        def interrupted_as_it_ends() -> Iterator[None]:
+            with real_interruptible():
+                yield
+            if len(issued) == 1 and not waited:
+                raise KeyboardInterrupt  # as a Ctrl-C lands between two bytecodes
+
+        with monkeypatch.context() as patched:
+            patched.setattr(mover, "h2d", h2d)
+            patched.setattr(controller_module, "interruptible", interrupted_as_it_ends)
+            req = cache.admit(A)
+            assert req.hit[1] > 0  # in L2, not in L1: restore() issues an H2D
+            with pytest.raises(KeyboardInterrupt):
+                cache.restore(req)
+            assert len(issued) == 1 and waited == [True]
+            cache.release(req)
+        nothing_held(cache)
+        for prompt in (A, B, C, A):
+            serve(cache, prompt)
+        nothing_held(cache)
+    finally:
+        cache.close()
