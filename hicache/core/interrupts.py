@@ -73,6 +73,13 @@ class _Forwarder:
         if _Held.depth:
             _Held.came.setdefault(signum, self)  # NOTE: as the OS does, one pending per signal
             return
+        if _Held.came:
+            # NOTE: signals held by an atomic call whose end has not delivered them yet (this
+            # one came in between): theirs first, in order, and a handler that raises does
+            # not keep the others back (:func:`_deliver_held`)
+            _Held.came.setdefault(signum, self)
+            _deliver_held()
+            return
         self.deliver(signum, frame)
 
     def deliver(self, signum: int, frame: FrameType | None) -> None:

@@ -786,3 +786,37 @@ def test_an_interrupt_as_the_issued_h2d_is_handed_back_waits_for_its_copy_first(
         nothing_held(cache)
     finally:
         cache.close()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 here")
+def test_a_signal_that_comes_as_an_atomic_call_ends_lets_the_held_ones_go_first(armed: Armed, tmp_path: Any) -> None:
+    """A signal that comes once an atomic call has stopped holding, before it delivered what
+    it held, goes after the held ones; its handler raising does not keep them back (they
+    waited for some later call's end)."""
+    got: list[int] = []
+
+    def noted(signum: int, frame: object) -> None:
+        got.append(signum)
+
+    def timeout(signum: int, frame: object) -> None:
+        got.append(signum)
+        raise Timeout
+
+    before = signal.signal(signal.SIGUSR2, noted), signal.signal(signal.SIGUSR1, timeout)
+    try:
+        cache = make(armed, tmp_path)
+        try:
+            interrupts._Held.depth = 1  # inside an atomic call: SIGUSR2 is held
+            signal.raise_signal(signal.SIGUSR2)
+            assert got == [] and list(interrupts._Held.came) == [signal.SIGUSR2]
+            interrupts._Held.depth = 0  # its end has stopped holding, not delivered yet
+            with pytest.raises(Timeout):
+                signal.raise_signal(signal.SIGUSR1)
+            assert got == [signal.SIGUSR2, signal.SIGUSR1] and not interrupts._Held.came
+        finally:
+            interrupts._Held.depth = 0
+            interrupts._Held.came.clear()
+            cache.close()
+    finally:
+        signal.signal(signal.SIGUSR2, before[0])
+        signal.signal(signal.SIGUSR1, before[1])
