@@ -394,6 +394,9 @@ class Engine:
         self._idle_streak = 0  # idle steps in a row while every restore reads storage
         self._admission_held = False  # a request gave its pins back for others: admit none until one moves
         self._starting: list[tuple[_Seq, Plan]] = []  # admitted in this step, restore not yet started
+        # restores of aborted requests still in flight (prompt, restore, started): they go on
+        # into the tree, and a request for the same head (a retry) waits for them as for others'
+        self._background: list[tuple[Tokens, PendingRestore, float]] = []
         self._interrupted = False  # an exception escaped mid-step and its recovery has not finished
         self._starts_beside_prefill_done: float | None = None  # when this step's starts beside its prefill returned
         self._batch_end: Any = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
@@ -441,7 +444,10 @@ class Engine:
             self._emit(seq, error="aborted")
             if self._active.pop(rid, None) is None:
                 self._waiting.remove(seq)
+            restore = seq.restore if seq.state is SeqState.RESTORING else None
             self._drop(seq)
+            if restore is not None and not restore.finished:
+                self._background.append((seq.prompt, restore, seq.restore_started))
         except BaseException as exc:
             if not isinstance(exc, IntegrityError):
                 self._tidy()
@@ -567,6 +573,7 @@ class Engine:
         if not self._active:
             self._admission_held = False  # those it waited for left (finished, aborted, failed)
         deferred: list[_Seq] = []
+        held_back = False
         try:
             while (
                 self._waiting
@@ -583,6 +590,7 @@ class Engine:
             # NOTE: also when an exception escapes an admission (a bug, an interrupt): the
             # requests held back wait again, ahead of the one that re-queued itself.
             self._waiting.extendleft(reversed(deferred))
+            held_back = bool(deferred)
         ready = next((s for s in self._active.values() if s.state is SeqState.READY), None)
         decoding = [s for s in self._active.values() if s.state is SeqState.DECODING]
         prefill = ready is not None and not (decoding and self._prefills_in_row >= self.prefills_before_decode)
@@ -626,11 +634,11 @@ class Engine:
                     self._requeue(ready)  # the others' pins fill L1: it waits, they go first
                 else:
                     self._fail(ready, f"no room in L1 for a prompt of {len(ready.prompt)} tokens")
-            elif self._active:
+            elif self._active or held_back:  # NOTE: held back: behind an aborted request's restore
                 idle = True
                 self.stats.idle_polls += 1
                 t0 = time.perf_counter()
-                if all(s.layered is not None for s in self._active.values()):
+                if self._active and all(s.layered is not None for s in self._active.values()):
                     # NOTE: only layered restores in flight, each with its forward queued
                     # behind its layers: wait for the GPU instead of polling every 50 us.
                     self.runner.wait_layered()
@@ -711,22 +719,26 @@ class Engine:
             return False
         starting = {s.id: plan for s, plan in self._starting}
         now = time.perf_counter()
+        restores: list[tuple[Tokens, Plan, float | None]] = []  # (prompt, plan, started: None if starting)
         for other in self._active.values():
             if other.state is not SeqState.RESTORING:
                 continue
             plan = other.restore.plan if other.restore is not None else starting.get(other.id)
-            if plan is None:
-                continue
+            if plan is not None:
+                restores.append((other.prompt, plan, other.restore_started if other.restore is not None else None))
+        self._background = [b for b in self._background if not b[1].finished]
+        restores += [(prompt, restore.plan, started) for prompt, restore, started in self._background]
+        for a, plan, started in restores:
             n = min(plan.tokens, usable)
-            a, b = other.prompt, seq.prompt
+            b = seq.prompt
             if n < ps or a[n - 1] != b[n - 1] or a[:n] != b[:n]:  # the last token first: cheap
                 continue
-            if other.restore is None:
+            if started is None:
                 return True  # starts in this step
             recompute = plan.predicted_recompute_s * n / plan.tokens if plan.tokens else 0.0
             if not math.isfinite(recompute):  # a model without samples: the least wait
                 recompute = 0.0
-            if now - other.restore_started < max(RESTORE_WAIT_MIN_S, recompute):
+            if now - started < max(RESTORE_WAIT_MIN_S, recompute):
                 return True
         return False
 

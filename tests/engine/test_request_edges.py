@@ -352,6 +352,39 @@ def test_an_abort_on_either_side_of_a_wait_behind_a_restore_leaks_nothing(
     closed_clean(e)
 
 
+def test_a_retry_of_a_request_aborted_while_restoring_waits_for_that_restore(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request aborted while its prefix is read from L3 (a client's cancel): the read goes
+    on into the tree, and a retry of the same prompt waits for it (holding nothing) and then
+    restores the prefix, instead of finding the read in flight and recomputing (a counted
+    fallback); it gets a cold engine's tokens and nothing leaks."""
+    monkeypatch.setattr(engine_module, "RESTORE_WAIT_MIN_S", 3600.0)  # however slow this machine
+    prompts, want = on_one_prefix(seed=8, pages=8, count=1, tail=2, max_new=3)
+    e = engine(storage_deadline_s=None)
+    e.generate(prompts[0], max_new_tokens=3)
+    drop(e, Tier.L1, Tier.L2)
+    e.cache.faults.add("hang", op="read")
+    first = e.submit(prompts[0], max_new_tokens=3)
+    for _ in range(3_000):  # bounded: until its read is issued and held
+        e.step()
+        if e.cache.faults.hanging:
+            break
+        threading.Event().wait(0.01)
+    assert e.cache.faults.hanging == 1 and e.state_of(first) is SeqState.RESTORING
+    assert e.abort(first)
+    retry = e.submit(prompts[0], max_new_tokens=3)
+    for _ in range(5):
+        e.step()
+    assert e.state_of(retry) is SeqState.WAITING  # held back, holding nothing
+    assert e.cache.status().requests == 0
+    e.cache.faults.release()
+    outs = {o.id: o for o in e.run()}
+    got = outs[retry]
+    assert got.error is None and got.tokens == want[0]
+    assert (got.restored_from, got.restore_failed, got.cached_tokens) == ("L2", False, 8 * PS)
+    assert e.cache.metrics.fallbacks == 0
+    closed_clean(e)
+
+
 def test_a_wait_behind_a_restore_ends_once_the_restore_outlasts_a_recompute(monkeypatch: pytest.MonkeyPatch) -> None:
     """A restore that has run longer than a recompute of the head it brings (a hung disk
     without a deadline) holds back the requests on that head no longer: they are admitted
