@@ -355,7 +355,7 @@ def engine_kwargs(args: argparse.Namespace, net: torch.nn.Module, **overrides: A
         cuda_graphs=not args.disable_cuda_graph,
         graph_short_prefills={"auto": None, "on": True, "off": False}[args.cuda_graph_short_prefills],
         attention=args.attention,
-        cudnn=args.attention_cudnn,
+        cudnn=args.attention_cudnn if str(args.device).startswith("cuda") else "off",  # else warned about
         enable_hicache=args.enable_hicache,
         # NOTE: a flag ineffective_flags warns about is not passed on (it would be refused).
         storage_path=None if args.hicache_storage_backend == "mooncake" else args.hicache_storage_path,

@@ -349,6 +349,12 @@ class Engine:
         if kv_geometry(self.net, g.page_size) != g:
             raise ConfigError(f"the model's KV geometry {kv_geometry(self.net, g.page_size)} differs from {g}")
         ModelRunner.check_settings(config.attention, config.cudnn, cc.device)  # before the cache opens a store
+        if config.cudnn != "off" and torch.device(cc.device).type != "cuda":
+            warnings.warn(
+                f"cudnn={config.cudnn!r} has no effect on {cc.device} (cuDNN attention needs CUDA)",
+                UserWarning,
+                stacklevel=2,
+            )
         if cc.l3_pages and cc.storage_backend != "file":
             # NOTE: a shared store keys pages by the model's identity: the weights actually
             # run name it, not only the model's name (a net given in its place, a checkpoint

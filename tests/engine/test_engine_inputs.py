@@ -126,3 +126,19 @@ def test_tier_sizes_without_enable_hicache_warn_that_they_do_nothing() -> None:
         e = Engine("tiny", device="cpu", num_pages=16, layered_restore=True)
     assert seen[0].filename == __file__ and not e.layered  # the caller's line, not the engine's
     e.close()
+
+
+@pytest.mark.parametrize("cudnn", ["on", "graphs"])
+def test_cudnn_attention_on_cpu_is_warned_about(cudnn: str) -> None:
+    """cuDNN attention runs on CUDA only: asked for on CPU it is said to change nothing (it
+    was taken silently), at the caller's line; the engine serves as without it."""
+    with pytest.warns(UserWarning, match=f"cudnn='{cudnn}' has no effect on cpu") as seen:
+        e = Engine("tiny", device="cpu", num_pages=16, cudnn=cudnn)
+    assert seen[0].filename == __file__
+    try:
+        assert len(e.generate([1, 2, 3], max_new_tokens=2).tokens) == 2
+    finally:
+        e.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine("tiny", device="cpu", num_pages=16, cudnn="off").close()
