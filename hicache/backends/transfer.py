@@ -86,6 +86,7 @@ from hicache.backends import dma, kernels
 from hicache.backends.faults import FaultInjector
 from hicache.backends.pools import DevicePool, HostPool, PageFences, PagesInFlightError, check_pages, coalesce
 from hicache.backends.ticket import Ticket
+from hicache.core.interrupts import by_signal
 from hicache.errors import ConfigError, MisuseError, PageOwnershipError
 from hicache.spec.model import Direction
 
@@ -543,7 +544,7 @@ class TransferEngine:
                 src=self.l2.slabs if self.direct_usable else None,
             )
         except Exception as exc:
-            if self.requested == "triton":
+            if self.requested == "triton" or by_signal(exc):
                 raise
             warnings.warn(f"hicache: warming the layered scatter failed ({exc!r})", RuntimeWarning, stacklevel=4)
 
@@ -569,6 +570,8 @@ class TransferEngine:
             try:
                 times[name] = self._time(fn, args)
             except Exception as exc:  # a Triton failure under auto falls back to torch
+                if by_signal(exc):
+                    raise  # NOTE: a signal handler's (a timeout's): the caller's, not Triton's failure
                 warnings.warn(f"hicache: {name} failed ({exc!r}); using torch", RuntimeWarning, stacklevel=3)
                 times[name] = float("inf")
         self.autotune_ms = {k: v * 1e3 for k, v in times.items()}
@@ -598,7 +601,7 @@ class TransferEngine:
         try:
             table[name](*args)
         except Exception as exc:
-            if name != "triton" or self.requested == "triton":
+            if name != "triton" or self.requested == "triton" or by_signal(exc):
                 raise
             warnings.warn(
                 f"hicache: triton {which} failed ({exc!r}); falling back to torch", RuntimeWarning, stacklevel=3
@@ -620,6 +623,8 @@ class TransferEngine:
                 cap = max(4096, 4 * min(self.l1.num_pages, self.l2.num_pages))
                 self._ids = _Ids(cap, self.l1.device, self.cuda)
         except Exception as exc:
+            if by_signal(exc):
+                raise
             raise _AllocationFailed(f"transfer index buffers: allocation failed: {exc!r}") from exc
         try:
             if self._ring is None and not (path == "direct" and self.allocation_failures):
@@ -632,7 +637,7 @@ class TransferEngine:
         except (torch.OutOfMemoryError, MemoryError, _AllocationFailed) as exc:
             self._fail_ring(path, exc)
         except Exception as exc:
-            if self._ring is not None:
+            if self._ring is not None or by_signal(exc):
                 raise  # not an allocation: an explicit backend that does not work here
             self._fail_ring(path, exc)
 
@@ -702,6 +707,8 @@ class TransferEngine:
         except _AllocationFailed as exc:
             log.warning("hicache transfer: setup deferred to the first transfer: %s", exc)
         except Exception as exc:
+            if by_signal(exc):
+                raise
             raise ConfigError(f"the transfer engine's setup failed (backend {self.requested!r}): {exc!r}") from exc
         finally:
             if self._ring is not None:
@@ -864,6 +871,9 @@ class TransferEngine:
                 try:
                     issue()
                 except Exception as exc:
+                    if by_signal(exc):  # NOTE: a signal handler's (a timeout's): the caller's to hear
+                        self._fail_queued(ticket, "interrupted while queued")
+                        raise
                     log.warning("hicache H2D of %d pages could not be queued: %r", ticket.pages, exc)
                     self._fail_queued(ticket, f"could not be queued: {exc!r}")
                 except BaseException:

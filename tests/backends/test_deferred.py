@@ -6,12 +6,16 @@ the ticket instead of raising; transfers keep the order they were made in."""
 from __future__ import annotations
 
 import random
+import signal
 from typing import Any
 
 import pytest
 import torch
 
+from hicache.backends import kernels
+from hicache.backends import transfer as transfer_module
 from hicache.backends.transfer import TransferEngine
+from hicache.core import interrupts
 from tests.backends.test_ring import FakeEvent, engine, no_room_for_the_ring, pools
 
 LAYERS = 5
@@ -238,3 +242,66 @@ def test_a_worker_flushing_while_the_last_deferred_h2d_is_queued_leaves_the_midw
     eng.flush(midway=lambda: launches.append(1))
     assert launches == [1]
     assert ticket.wait() and torch.equal(in_l1(l1, dst), want)
+
+
+class Timeout(Exception):
+    """What a timeout's SIGALRM handler raises."""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="no SIGALRM here")
+@pytest.mark.parametrize("where", ["_issue", "autotune", "index-buffers"])
+def test_a_signal_handlers_exception_while_a_copy_is_queued_reaches_the_caller(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A timeout's SIGALRM handler raising while a deferred H2D is queued, or while the
+    first transfer sets up (the kernels' autotune, the index buffers), is the caller's: it
+    comes out of the call, not taken for the copy's failure (a ticket failed 'could not be
+    queued', a Triton fallback, a failed allocation) and swallowed. The ticket fails as
+    interrupted, and the next H2D lands exactly."""
+    l1, l2, eng = setup(monkeypatch, straight_runs=0)
+    fired = [0]
+
+    def timeout(signum: int, frame: object) -> None:
+        fired[0] += 1
+        raise Timeout
+
+    target, name = {
+        "_issue": (TransferEngine, "_issue"),
+        "autotune": (kernels, "gather_torch"),
+        "index-buffers": (transfer_module, "_Ids"),
+    }[where]
+    real = getattr(target, name)
+
+    def signalled(*args: Any, **kwargs: Any) -> Any:
+        if not fired[0]:
+            signal.raise_signal(signal.SIGALRM)
+        return real(*args, **kwargs)
+
+    before = signal.signal(signal.SIGALRM, timeout)
+    held = interrupts.hold_signals()  # NOTE: as an open cache does: a handler's exception is known as one
+    try:
+        assert held
+        src, dst, want = restore(l1, l2, seed=23)
+        if where != "_issue":
+            eng.requested = "auto"  # NOTE: with Triton usable, the first transfer's setup times both
+            with monkeypatch.context() as m:
+                m.setattr(eng, "triton_usable", True)
+                m.setattr(target, name, signalled)
+                with pytest.raises(Timeout):
+                    eng.h2d(src, dst)
+            assert eng.allocation_failures == 0 and eng.gather_backend is None
+        else:
+            with eng.deferring():
+                ticket = eng.h2d(src, dst, layer_events=counting_events(l1, dst, want))
+            monkeypatch.setattr(target, name, signalled)
+            with pytest.raises(Timeout):
+                eng.flush()
+            monkeypatch.setattr(target, name, real)
+            assert ticket.wait() is False and "interrupted" in (ticket.error or "")
+        assert fired[0] == 1
+    finally:
+        interrupts.release_signals()
+        signal.signal(signal.SIGALRM, before)
+    src, dst, want = restore(l1, l2, seed=29)
+    assert eng.h2d(src, dst, layer_events=counting_events(l1, dst, want)).wait()
+    assert torch.equal(in_l1(l1, dst), want)
