@@ -787,27 +787,23 @@ class Controller:
                         else:
                             l3 = self.storage.read(transfer.src, transfer.dst, keys, above=above)
                     ticket = l3
-        except HiCacheError:
-            core.fail(transfer)
-            raise
-        except Exception as exc:  # a mover that could not issue: the transfer failed, nothing else
-            core.fail(transfer)
-            self.metrics.directions[direction.name].failed += 1
-            if from_signal(exc):
-                raise  # NOTE: a signal handler's (a timeout's) while the mover issued it: as an interrupt
-            log.warning("hicache: %s could not be issued: %r", direction.name, exc)
-            return None
-        except BaseException:
-            # NOTE: an interrupt (Ctrl-C) while the mover issued it: no job will ever end this
-            # transfer, so it fails here (its pages go back; the pools' fences order any copy
-            # the mover had queued before their next use) and the interrupt goes on.
+        except BaseException as exc:
+            # NOTE: a mover that could not issue, or an interrupt (Ctrl-C, a timeout's handler)
+            # while it issued: no job will ever end this transfer, so it fails here (its pages
+            # go back; the pools' fences order any copy the mover had queued before their next
+            # use) and an interrupt goes on.
             if h2d is not None:
                 # NOTE: one that came once the H2D was issued: its L1 pages go back to the pool,
                 # and the engine's next forward on them is ordered by no fence: the copy first
                 self._wait_quietly(h2d)
             core.fail(transfer)
+            if isinstance(exc, HiCacheError):
+                raise
             self.metrics.directions[direction.name].failed += 1
-            raise
+            if not isinstance(exc, Exception) or from_signal(exc):
+                raise  # NOTE: a signal handler's (a timeout's) while the mover issued it: as an interrupt
+            log.warning("hicache: %s could not be issued: %r", direction.name, exc)
+            return None
         job = _Job(transfer, ticket, restore, l3 if direction in (Direction.H2S, Direction.S2H) else None)
         self._jobs[transfer.id] = job
         if restore is not None:

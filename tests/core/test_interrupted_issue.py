@@ -731,13 +731,15 @@ def test_a_timeout_while_the_store_is_asked_during_an_issue_reaches_the_caller(r
         signal.signal(signal.SIGALRM, before)
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, Timeout], ids=["ctrl-c", "a-handlers-timeout"])
 def test_an_interrupt_as_the_issued_h2d_is_handed_back_waits_for_its_copy_first(
-    armed: Armed, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    armed: Armed, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, interrupt: type[BaseException]
 ) -> None:
     """An interrupt that comes as the mover hands back an H2D it issued (the end of the
     interruptible stretch) fails that transfer: its L1 pages go back to the pool, where the
     engine's next forward on them is ordered by no fence, so the copy is waited for first
-    (on a GPU it could still land over that forward's pages). Then all is as before."""
+    (on a GPU it could still land over that forward's pages). Then all is as before. The
+    same for a signal handler's exception that is an Exception (a timeout's)."""
     from contextlib import contextmanager
 
     from hicache.core import controller as controller_module
@@ -769,14 +771,16 @@ def test_an_interrupt_as_the_issued_h2d_is_handed_back_waits_for_its_copy_first(
             with real_interruptible():
                 yield
             if len(issued) == 1 and not waited:
-                raise KeyboardInterrupt  # as a Ctrl-C lands between two bytecodes
+                exc = interrupt()
+                interrupts._Held.raised = exc  # NOTE: as a held signal's handler raising does
+                raise exc  # as a Ctrl-C lands between two bytecodes
 
         with monkeypatch.context() as patched:
             patched.setattr(mover, "h2d", h2d)
             patched.setattr(controller_module, "interruptible", interrupted_as_it_ends)
             req = cache.admit(A)
             assert req.hit[1] > 0  # in L2, not in L1: restore() issues an H2D
-            with pytest.raises(KeyboardInterrupt):
+            with pytest.raises(interrupt):
                 cache.restore(req)
             assert len(issued) == 1 and waited == [True]
             cache.release(req)
