@@ -36,6 +36,7 @@ from hicache.core.controller import (
 )
 from hicache.core.cost import CostModel, CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage, KVGeometry, TierSizes
+from hicache.core.interrupts import by_signal
 from hicache.core.keys import encodable, format_seed
 from hicache.core.metrics import Metrics
 from hicache.core.protocols import DeviceMover
@@ -66,11 +67,15 @@ def _built(factory: Callable[[Any], Any], arg: object, call: str, kind: str, mem
     except HiCacheError:
         raise
     except Exception as exc:
+        if by_signal(exc):
+            raise  # NOTE: a signal handler's (a timeout's) while it ran: the caller's, not the factory's
         raise ConfigError(f"{call} raised {exc!r}") from exc
     try:
         missing = [m for m in members if not hasattr(made, m)]
     except Exception as exc:  # NOTE: a property of its that raises (hasattr lets all but AttributeError by)
         _close_quietly(made)
+        if by_signal(exc):
+            raise
         raise ConfigError(f"{call} returned a {type(made).__name__} whose members raised {exc!r}") from exc
     if missing:
         _close_quietly(made)

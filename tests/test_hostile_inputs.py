@@ -4,7 +4,9 @@ typed error raised before anything changed, never an untyped exception or silent
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -299,3 +301,37 @@ def test_a_store_whose_members_raise_when_read_is_a_config_error_and_is_closed()
     with pytest.raises(ConfigError, match=r"store\(l2\) returned a Closing whose members raised RuntimeError"):
         HiCache(cfg, store=Closing)
     assert len(closed) == 1
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="no SIGALRM here")
+@pytest.mark.parametrize("factory", ["mover", "store"])
+def test_a_timeout_while_a_factory_runs_reaches_the_caller_not_a_config_error(factory: str) -> None:
+    """A timeout's SIGALRM handler raising while the cache calls the embedder's ``mover`` or
+    ``store`` factory (another cache open: its signals are held) is the caller's timeout,
+    not a ConfigError saying the factory raised."""
+    from hicache.backends.transfer import TransferEngine
+
+    class Timeout(Exception):
+        pass
+
+    def timeout(signum: int, frame: object) -> None:
+        raise Timeout
+
+    cfg = HiCacheConfig(G, l1_pages=8, l2_pages=8, l3_pages=16, model_id="m", device="cpu", transfer_backend="torch")
+    before = signal.signal(signal.SIGALRM, timeout)
+    try:
+        with HiCache(HiCacheConfig(G, l1_pages=8, l2_pages=8, device="cpu", transfer_backend="torch")):
+
+            def signalled(arg: object) -> Any:
+                signal.raise_signal(signal.SIGALRM)
+                raise AssertionError("the handler's exception comes first")
+
+            with pytest.raises(Timeout):
+                if factory == "mover":
+                    HiCache(cfg, mover=signalled)
+                else:
+                    HiCache(cfg, store=signalled)
+            with HiCache(cfg, mover=lambda c: TransferEngine(c.l1, c.l2, "torch")) as fine:
+                _serve(fine, list(range(20)))
+    finally:
+        signal.signal(signal.SIGALRM, before)
