@@ -27,6 +27,7 @@ import xxhash
 
 import hicache.engine.engine as engine_module
 from hicache.engine import Engine, Output
+from hicache.flags import strict_float, strict_int
 
 ROOT = Path(__file__).resolve().parent.parent
 CURATED = ROOT / "bench" / "results"  # the tracked set the docs cite; written only when asked
@@ -107,7 +108,7 @@ def at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         shown = _shown(text)  # "VALUE: reason", as the engine's flags
         try:
-            value = int(text)
+            value = strict_int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{shown}: not an integer") from None
         if value < low:
@@ -137,7 +138,7 @@ def between(low: int, high: int) -> Callable[[str], int]:
 
 def positive_float(text: str) -> float:
     try:
-        value = float(text)
+        value = strict_float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{_shown(text)}: not a number") from None
     if not 0 < value < float("inf"):
@@ -149,7 +150,7 @@ def fraction(text: str) -> float:
     """An argparse type: a rate in [0, 1] (NaN would compare false everywhere: nothing drawn)."""
     shown = _shown(text)
     try:
-        value = float(text)
+        value = strict_float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{shown}: not a number") from None
     if not 0.0 <= value <= 1.0:

@@ -60,9 +60,32 @@ def _show(value: object) -> str:
 # -- argument types: each failure reads "VALUE: reason" (ArgParser.error adds the flag) -----
 
 
+# What a number flag takes: ASCII digits, a sign, a decimal point and an exponent (floats),
+# inf and nan (refused as not finite); Python's int() and float() also take "1_000" and
+# other scripts' digits, which no one writes on a command line on purpose.
+_INT_TEXT = re.compile(r"\s*[-+]?\d+\s*", re.ASCII)
+_FLOAT_TEXT = re.compile(
+    r"\s*[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?|inf(?:inity)?|nan)\s*", re.ASCII | re.IGNORECASE
+)
+
+
+def strict_int(text: str) -> int:
+    """``int(text)`` for what a person writes as an integer (``_INT_TEXT``), else ValueError."""
+    if not _INT_TEXT.fullmatch(text):
+        raise ValueError(f"not an integer: {text!r}")
+    return int(text)
+
+
+def strict_float(text: str) -> float:
+    """``float(text)`` for what a person writes as a number (``_FLOAT_TEXT``), else ValueError."""
+    if not _FLOAT_TEXT.fullmatch(text):
+        raise ValueError(f"not a number: {text!r}")
+    return float(text)
+
+
 def _number(kind: Callable[[str], float], text: str, what: str) -> float:
     try:
-        value = kind(text)
+        value = (strict_int if kind is int else strict_float)(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{_show(text)}: not {what}") from None
     if not math.isfinite(value):

@@ -54,6 +54,8 @@ def test_good_values_parse_and_keep_their_text() -> None:
     args = parser().parse_args(["--ratio", "1e3", "--count", "3", "--on"])
     assert (args.ratio, args.count, args.on) == (1000.0, 3, True)
     assert args.ratio.text == "1e3"
+    args = parser().parse_args(["--ratio", " .5 ", "--count", "+7"])  # a shell's quoted spaces, a sign
+    assert (args.ratio, args.count) == (0.5, 7)
 
 
 @pytest.mark.parametrize(
@@ -66,6 +68,14 @@ def test_good_values_parse_and_keep_their_text() -> None:
         (["--count=3", "4"], "error: 4: not a flag (--count takes one value; see --help)"),
         (["--on", "4"], "error: 4: not a flag (every setting is a --flag; see --help)"),
         (["--count", "a\nb"], "error: --count 'a\\nb': not an integer"),
+        # NOTE: what Python's int() and float() take but no one types as a number on purpose
+        (["--count", "1_6"], "error: --count 1_6: not an integer"),
+        (["--count", "\u0661\u0666"], "error: --count \u0661\u0666: not an integer"),
+        (["--count", "1e3"], "error: --count 1e3: not an integer"),
+        (["--count", "0x10"], "error: --count 0x10: not an integer"),
+        (["--count", ""], "error: --count '': not an integer"),
+        (["--ratio", "1_0.5"], "error: --ratio 1_0.5: not a number"),
+        (["--ratio", "\uff11"], "error: --ratio \uff11: not a number"),
     ],
 )
 def test_every_error_is_one_line(argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
