@@ -35,7 +35,7 @@ from hicache.core.controller import (
     parse_write_policy,
 )
 from hicache.core.cost import CostModel, CostPriors, Plan, Policy
-from hicache.core.geometry import DevicePage, KVGeometry, TierSizes
+from hicache.core.geometry import DevicePage, KVGeometry, TierSizes, plain_ints
 from hicache.core.interrupts import by_signal
 from hicache.core.keys import encodable, format_seed
 from hicache.core.metrics import Metrics
@@ -125,6 +125,7 @@ class HiCacheConfig:
     guard_pages: bool = False  # catch an engine writing L1 pages it does not own (tests, small pools)
 
     def __post_init__(self) -> None:
+        plain_ints(self, ("l1_pages", "l2_pages", "l3_pages", "storage_workers", "selective_hits"))
         if not isinstance(self.geometry, KVGeometry):
             raise ConfigError(f"geometry must be a KVGeometry, got {self.geometry!r}")
         TierSizes(self.l1_pages, self.l2_pages, self.l3_pages)  # validates the sizes
@@ -145,7 +146,8 @@ class HiCacheConfig:
         if self.storage_path is not None and not isinstance(self.storage_path, (str, os.PathLike)):
             raise ConfigError(f"storage_path must be a path or None, got {self.storage_path!r}")
         if self.storage_path is not None and not os.fspath(self.storage_path):
-            raise ConfigError("storage_path must not be empty (None: an unnamed file)")
+            unnamed = " (None: an unnamed file)" if self.storage_backend == "file" else ""
+            raise ConfigError(f"storage_path must not be empty{unnamed}")
         if self.storage_path is not None and "\x00" in os.fspath(self.storage_path):
             raise ConfigError(f"storage_path must not contain a NUL character, got {self.storage_path!r}")
         if not isinstance(self.storage_backend, str) or self.storage_backend not in STORE_KINDS:

@@ -123,12 +123,14 @@ def test_a_closed_engine_refuses_status_by_its_own_name() -> None:
 
 
 def test_a_pool_past_what_torch_can_size_is_a_config_error() -> None:
-    """A page size whose pool does not fit in int64: a ConfigError naming the pool and its
+    """A pool that does not fit in int64: a ConfigError naming the pool and its
     size in one line (torch's TypeError/RuntimeError, first line only), not a traceback."""
-    g = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=1, page_size=2**62, dtype=torch.float32)
-    pool = r"cannot allocate the L1 pool: l1_pages 4 x page_size 4611686018427387904"
+    with pytest.raises(ConfigError, match="page_size must be at most 65,536 tokens"):  # the geometry's own
+        KVGeometry(num_layers=1, num_kv_heads=1, head_dim=1, page_size=2**62, dtype=torch.float32)
+    g = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=1, page_size=4, dtype=torch.float32)
+    pool = r"cannot allocate the L1 pool: l1_pages 4611686018427387904 x page_size 4"
     with pytest.raises(ConfigError, match=pool) as info:
-        HiCache(HiCacheConfig(g, l1_pages=4, l2_pages=0, device="cpu"))
+        HiCache(HiCacheConfig(g, l1_pages=2**62, l2_pages=0, device="cpu"))
     assert "\n" not in str(info.value)
 
 
@@ -335,3 +337,37 @@ def test_a_timeout_while_a_factory_runs_reaches_the_caller_not_a_config_error(fa
                 _serve(fine, list(range(20)))
     finally:
         signal.signal(signal.SIGALRM, before)
+
+
+def test_sizes_that_are_numpy_integers_are_taken_by_the_config_and_the_engine() -> None:
+    """A config's page counts, workers and hits computed with numpy are taken (held as
+    ints), as ``allocate`` and ``at_most`` take them; the cache serves exactly as with ints."""
+    import numpy as np
+
+    from hicache.engine import Engine
+
+    sizes: dict[str, Any] = dict(l1_pages=np.int64(8), l2_pages=np.int32(8), storage_workers=np.int64(2))
+    sizes["selective_hits"] = np.uint8(3)
+    cfg = HiCacheConfig(G, device="cpu", transfer_backend="torch", **sizes)
+    assert [type(getattr(cfg, f)) for f in ("l1_pages", "l2_pages", "storage_workers", "selective_hits")] == [int] * 4
+    with HiCache(cfg) as cache:
+        _serve(cache, list(range(20)))
+        req = cache.admit(list(range(20)))
+        assert req.hit[0] == 20  # every page of the prompt, found in L1
+        cache.release(req)
+    with Engine("tiny", device="cpu", num_pages=np.int64(24)) as engine:
+        assert (
+            engine.generate([1, 2, 3], max_new_tokens=2).tokens
+            == Engine("tiny", device="cpu").generate([1, 2, 3], max_new_tokens=2).tokens
+        )
+
+
+@pytest.mark.parametrize("backend", ["file", "dir"])
+def test_an_empty_storage_path_is_refused_offering_an_unnamed_file_only_where_there_is_one(backend: str) -> None:
+    """``storage_path=""``: refused; the file store may be given None (an unnamed file), the
+    dir store has no such thing, so its refusal offers none."""
+    with pytest.raises(ConfigError) as info:
+        HiCacheConfig(G, l1_pages=8, l2_pages=8, l3_pages=8, device="cpu", storage_backend=backend,
+                      storage_path="", model_id="m")  # fmt: skip
+    assert str(info.value).startswith("storage_path must not be empty")
+    assert ("unnamed file" in str(info.value)) == (backend == "file")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NewType
 
+import numpy as np
 import torch
 
 from hicache.errors import ConfigError
@@ -17,6 +18,21 @@ StorageSlot = NewType("StorageSlot", int)
 """A slot index in the L3 file."""
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# The largest page anyone could allocate (a TiB): past it a size is a typo or an overflow,
+# refused here in the geometry's own terms, not later as an L1 pool "too large".
+MAX_PAGE_BYTES = 2**40
+MAX_PAGE_SIZE = 1 << 16  # tokens per page, as the command line takes
+
+
+def plain_ints(obj: object, names: tuple[str, ...]) -> None:
+    """Set each of ``names`` on a (frozen) dataclass ``obj`` that holds a numpy integer to the
+    int it holds (sizes computed with numpy are ints too); anything else is left to be checked."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, np.integer):
+            object.__setattr__(obj, name, int(value))
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -39,11 +55,21 @@ class KVGeometry:
     dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+        sizes = ("num_layers", "num_kv_heads", "head_dim", "page_size")
+        plain_ints(self, sizes)
+        for name in sizes:
             _positive_int(name, getattr(self, name))
+        if self.page_size > MAX_PAGE_SIZE:
+            raise ConfigError(f"page_size must be at most {MAX_PAGE_SIZE:,} tokens, got {self.page_size:,}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ConfigError(
                 f"dtype must be one of {SUPPORTED_DTYPES} (quantized KV pools are not supported), got {self.dtype!r}"
+            )
+        if self.bytes_per_page > MAX_PAGE_BYTES:
+            raise ConfigError(
+                f"a page of {self.bytes_per_page:.4g} bytes (2 x num_layers {self.num_layers:,} x num_kv_heads "
+                f"{self.num_kv_heads:,} x head_dim {self.head_dim:,} x page_size {self.page_size:,} x "
+                f"{self.itemsize} bytes) is more than any machine holds (at most {MAX_PAGE_BYTES / 2**40:.0f} TiB)"
             )
 
     @property
@@ -74,6 +100,7 @@ class TierSizes:
     capacities: tuple[int, int, int] = field(init=False)
 
     def __post_init__(self) -> None:
+        plain_ints(self, ("l1_pages", "l2_pages", "l3_pages"))
         _positive_int("l1_pages", self.l1_pages)
         for name in ("l2_pages", "l3_pages"):
             value = getattr(self, name)

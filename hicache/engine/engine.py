@@ -277,6 +277,7 @@ class EngineConfig:
             )
         if not isinstance(policy, str) or policy not in {k.value for k in Policy}:
             raise ConfigError(f"policy must be one of {[k.value for k in Policy]}, got {policy!r}")
+        num_pages = plain_int(num_pages)  # type: ignore[assignment]  # NOTE: a numpy integer is one
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             raise ConfigError(f"num_pages (L1 pages) must be an int >= 1, got {num_pages!r}")
         _check_seed(engine.get("seed", 0))
