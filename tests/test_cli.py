@@ -203,6 +203,10 @@ def catalogue(tmp_path: Path) -> list[tuple[list[str], str]]:
             f"error: --hicache-storage-path {missing}: directory {missing.parent} does not exist",
         ),
         (
+            [*l3, "--hicache-storage-path", str(a_file / "l3.bin")],
+            f"error: --hicache-storage-path {a_file / 'l3.bin'}: directory {a_file} is not a directory",
+        ),
+        (
             [*l3, "--hicache-storage-path", str(tmp_path)],
             f"error: --hicache-storage-path {tmp_path}: is a directory; give a file path (backend file)",
         ),

@@ -340,7 +340,8 @@ def _check_storage_path(p: Path, backend: str) -> None:
     elif p.is_dir():
         raise FlagError("--hicache-storage-path", path, "is a directory; give a file path (backend file)")
     if not p.parent.is_dir():
-        raise FlagError("--hicache-storage-path", path, f"directory {p.parent} does not exist")
+        what = "is not a directory" if p.parent.exists() else "does not exist"  # NOTE: a file there: not "missing"
+        raise FlagError("--hicache-storage-path", path, f"directory {p.parent} {what}")
 
 
 def engine_kwargs(args: argparse.Namespace, net: torch.nn.Module, **overrides: Any) -> dict[str, Any]:

@@ -340,6 +340,8 @@ def test_refuses_symlinks_foreign_layouts_and_bad_places(tmp_path: Path) -> None
     afile.write_bytes(b"")
     with pytest.raises(ConfigError, match="not a directory"):
         dir_store(afile)
+    with pytest.raises(ConfigError, match=f"parent {afile} is not a directory"):  # not "does not exist"
+        dir_store(afile / "l3")
     dir_store(real).close()
     (real / "FORMAT").write_text("hicache-dir-store 1\nbytes_per_page 12345\n")
     with pytest.raises(ConfigError, match="another layout") as bad:

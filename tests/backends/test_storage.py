@@ -152,6 +152,8 @@ def test_refuses_directory_symlink_foreign_owner_and_no_room(tmp_path: Path) -> 
         StorageFile(G, 2, link)
     with pytest.raises(ConfigError, match="does not exist"):
         StorageFile(G, 2, tmp_path / "missing" / "l3.bin")
+    with pytest.raises(ConfigError, match=f"directory {target} is not a directory"):  # a file: not "does not exist"
+        StorageFile(G, 2, target / "l3.bin")
     with pytest.raises(ConfigError, match="File name too long"):
         StorageFile(G, 2, tmp_path / ("n" * 300))
     with pytest.raises(ConfigError, match="free"):

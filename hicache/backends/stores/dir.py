@@ -504,7 +504,8 @@ def _open_dir(path: Path) -> int:
             raise ConfigError(f"L3 directory {path} is a symlink; give the real path")
         if not path.exists():
             if not path.parent.is_dir():
-                raise ConfigError(f"L3 directory {path}: parent {path.parent} does not exist")
+                what = "is not a directory" if path.parent.exists() else "does not exist"
+                raise ConfigError(f"L3 directory {path}: parent {path.parent} {what}")
             if os.statvfs(path.parent).f_blocks == 0:  # NOTE: mkdir there fails with a bare ENOENT
                 raise ConfigError(
                     f"L3 directory {path}: on a file system that stores no data (such as /proc); give a disk path"

@@ -138,7 +138,8 @@ class StorageFile:
             raise ConfigError(f"L3 path {p} is a directory; give a file path")
         parent = p.parent if str(p.parent) else Path(".")
         if not parent.is_dir():
-            raise ConfigError(f"L3 path {p}: directory {parent} does not exist")
+            what = "is not a directory" if parent.exists() else "does not exist"  # NOTE: a file there: not "missing"
+            raise ConfigError(f"L3 path {p}: directory {parent} {what}")
         vfs = os.statvfs(parent)
         if vfs.f_blocks == 0:  # NOTE: /proc, /sys: "0 free" would send the user looking for space
             raise ConfigError(f"L3 path {p}: on a file system that stores no data (such as /proc); give a disk path")
