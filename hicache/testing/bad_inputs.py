@@ -116,6 +116,14 @@ def catalogue() -> list[BadInput]:
         BadInput("geometry", "num_layers = 0", lambda: KVGeometry(0, 2, 8, 2), ConfigError, "num_layers"),
         BadInput("geometry", "head_dim = -8", lambda: KVGeometry(2, 2, -8, 2), ConfigError, "-8"),
         BadInput("geometry", "page_size = 2.5", lambda: KVGeometry(2, 2, 8, 2.5), ConfigError, "2.5"),  # type: ignore[arg-type]
+        BadInput("geometry", "page_size = 2**20", lambda: KVGeometry(2, 2, 8, 2**20), ConfigError, "at most 65,536"),
+        BadInput(
+            "geometry",
+            "head_dim = 2**40 (a page past a TiB)",
+            lambda: KVGeometry(2, 2, 2**40, 2),
+            ConfigError,
+            "head_dim",
+        ),
         BadInput(
             "geometry",
             "dtype int8 (quantized KV)",
