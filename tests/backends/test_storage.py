@@ -309,3 +309,94 @@ def test_permission_denied_on_the_way_in_is_a_config_error(tmp_path: Path, monke
         locked.chmod(0)
     with pytest.raises(ConfigError, match="permission denied"):
         StorageFile(G, 2, locked / "l3.bin")
+
+
+def test_a_cache_that_loses_the_race_for_a_new_path_leaves_the_winners_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another cache makes and locks the file between this one's checks and its open: this
+    one is refused, and the winner's live file stays at its path (removed, the lock would
+    keep no third cache out)."""
+    path = tmp_path / "l3.bin"
+    real_open = os.open
+    winner: list[StorageFile] = []
+    raced = [False]
+
+    def racing(name: object, flags: int, *args: object) -> int:
+        if not raced[0] and Path(str(name)) == path:
+            raced[0] = True
+            winner.append(StorageFile(G, 8, path))  # made and locked in between
+        return real_open(name, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", racing)
+    with pytest.raises(ConfigError, match="in use by another cache"):
+        StorageFile(G, 8, path)
+    monkeypatch.setattr(os, "open", real_open)
+    assert path.exists() and path.stat().st_ino == os.fstat(winner[0].fd).st_ino
+    with pytest.raises(ConfigError, match="in use by another cache"):
+        StorageFile(G, 8, path)  # the lock still keeps a third one out
+    winner[0].close()
+    StorageFile(G, 8, path).close()
+
+
+def test_a_file_removed_and_made_again_before_the_lock_is_not_the_one_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path is removed and made anew between this cache's open and its lock (another
+    process's start and end): the store opens again and uses the file that the path names,
+    not a file no one can find (a second cache would make its own beside it)."""
+    import fcntl
+
+    path = tmp_path / "l3.bin"
+    real_flock = fcntl.flock
+    swapped = [False]
+
+    def swap_then_lock(fd: int, op: int) -> None:
+        if not swapped[0]:
+            swapped[0] = True
+            path.unlink()
+            path.write_bytes(b"")
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", swap_then_lock)
+    f = StorageFile(G, 8, path)
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    assert swapped[0] and os.fstat(f.fd).st_ino == path.stat().st_ino
+    with pytest.raises(ConfigError, match="in use by another cache"):
+        StorageFile(G, 8, path)
+    f.close()
+
+
+def _xattrs_here(where: Path) -> bool:
+    probe = where / "xattr-probe"
+    probe.write_bytes(b"")
+    try:
+        os.setxattr(probe, "user.hicache.probe", b"1")
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+    return True
+
+
+def test_a_cache_killed_while_it_sizes_a_new_file_leaves_one_a_later_cache_opens(tmp_path: Path) -> None:
+    """A process killed after the new file was sized (SIGKILL, the OOM killer) left a file of
+    full size: it carries the store's mark already, so the next cache opens it instead of
+    refusing it as a file hicache did not make."""
+    import subprocess
+    import sys
+
+    if not _xattrs_here(tmp_path):
+        pytest.skip("this file system keeps no user extended attributes (nothing marks a file)")
+    path = tmp_path / "l3.bin"
+    code = (
+        "import os, sys, torch\n"
+        "from hicache.backends.storage import StorageFile\n"
+        "from hicache.core.geometry import KVGeometry\n"
+        "os.fchmod = lambda fd, mode: os._exit(9)  # killed once the file is sized\n"
+        "StorageFile(KVGeometry(2, 2, 64, 16, torch.bfloat16), 8, sys.argv[1])\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 9, run.stderr[-2000:]
+    assert path.stat().st_size == 8 * G.bytes_per_page  # sized, never finished
+    StorageFile(G, 8, path).close()

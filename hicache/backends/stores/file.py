@@ -44,6 +44,7 @@ from hicache.errors import ConfigError
 STORAGE_FAULTS: tuple[FaultKind, ...] = ("eio", "enospc", "short", "eof", "corrupt", "slow", "hang")
 ALIGN = 4096
 IOV_MAX = 1024  # buffers per preadv/pwritev (Linux UIO_MAXIOV)
+_OPEN_TRIES = 5  # opens of a named file that another process removed or replaced meanwhile
 
 
 class StorageFile:
@@ -93,15 +94,36 @@ class StorageFile:
             return self._open_unnamed(extra)
         p = Path(self.path)
         self._validate(p)
-        existed = p.exists()
+        for _ in range(_OPEN_TRIES):
+            fd = self._open_named(p, extra)
+            if fd is not None:
+                return fd
+        raise ConfigError(f"L3 path {p} was removed or replaced while this cache opened it, {_OPEN_TRIES} times")
+
+    def _open_named(self, p: Path, extra: int) -> int | None:
+        """Open, lock and size the file at ``p``; None if the path no longer names the file
+        opened (another process removed or replaced it meanwhile: try again).
+
+        Only a file this call created and locked is removed on a failure: one it merely
+        opened, or created and lost the lock of, is another cache's live file (it was made
+        between this cache's look and its open)."""
+        flags = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | extra
         try:
-            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | extra, 0o600)
+            try:
+                fd = os.open(p, flags | os.O_CREAT | os.O_EXCL, 0o600)
+                created = True
+            except FileExistsError:
+                fd = os.open(p, flags)
+                created = False
+        except FileNotFoundError:
+            return None  # NOTE: removed between the two opens
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # NOTE: a symlink planted after _validate
                 raise ConfigError(f"L3 path {p} became a symlink; refusing to follow it") from exc
             if exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
                 raise ConfigError(f"L3 path {p} is not writable: {exc.strerror}") from exc
             raise
+        ours = False  # created here, locked, and still at the path: removed again on a failure
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -114,19 +136,27 @@ class StorageFile:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as exc:
                 raise ConfigError(f"L3 path {p} is in use by another cache (it is locked); give each its own") from exc
-            if existed and st.st_size and not _marked(fd):
+            try:
+                now = os.stat(p, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                os.close(fd)  # NOTE: a file no one can find again; the one at the path is someone else's
+                return None
+            ours = created
+            if not created and st.st_size and not _marked(fd):
                 raise ConfigError(
                     f"L3 path {p} is an existing file of {st.st_size} bytes that hicache did not make (the file "
                     "store overwrites its file at start); give a new path, or delete it if it is yours to lose"
                 )
+            _mark(fd)  # NOTE: before sizing: a cache killed while it sizes leaves a file known as ours
             _resize(fd, self.size, f"L3 path {p}")
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, 0)
             os.ftruncate(fd, self.size)
-            _mark(fd)
         except BaseException:
             os.close(fd)
-            if not existed:
+            if ours:
                 p.unlink(missing_ok=True)
             raise
         return fd
