@@ -13,6 +13,7 @@ an estimated TTFT (service time only: no queueing, no batching). Writes JSON + o
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -22,17 +23,18 @@ import statistics
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Any, Literal
 
-from common import at_least, git_commit, guarded, out_dir, tag_name
+from common import _shown, at_least, git_commit, guarded, out_dir, tag_name
 from tqdm import tqdm
 
 from hicache.engine.cli import ArgParser
 from hicache.errors import ConfigError, MisuseError
+from hicache.flags import FlagError, nonneg_float, positive_float, strict_float
 
 GiB = float(2**30)
 Mode = Literal["none", "local", "shared"]
@@ -462,6 +464,31 @@ def run(
     return meta, rows
 
 
+def at_least_number(low: float) -> Callable[[str], float]:
+    """An argparse type: a finite number >= ``low``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = strict_float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{_shown(text)}: not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text.strip()}: not a finite number")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text.strip()}: must be >= {low:g}")
+        return value
+
+    return parse
+
+
+def below_one(text: str) -> float:
+    """An argparse type: a fraction in [0, 1)."""
+    value = nonneg_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"{text.strip()}: must be in [0, 1)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     d_w, d_f, d_c = Workload(), Fleet(), Costs()
     ap = ArgParser("python bench/fleet.py", __doc__)
@@ -471,18 +498,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--system-prompts", type=at_least(1), default=None, help=f"default: {d_w.system_prompts} (--quick: 20)"
     )
-    ap.add_argument("--system-zipf", type=float, default=d_w.system_zipf)
-    ap.add_argument("--system-tokens", type=int, nargs=2, default=d_w.system_tokens, metavar=("MIN", "MAX"))
+    ap.add_argument("--system-zipf", type=nonneg_float, default=d_w.system_zipf)
+    ap.add_argument("--system-tokens", type=at_least(1), nargs=2, default=d_w.system_tokens, metavar=("MIN", "MAX"))
     ap.add_argument(
         "--conversations",
         type=at_least(1),
         default=None,
         help=f"conversation slots (default: {d_w.conversations}; --quick: 300)",
     )
-    ap.add_argument("--conversation-zipf", type=float, default=d_w.conversation_zipf)
-    ap.add_argument("--turns-mean", type=float, default=d_w.turns_mean, help="1/this of requests start a conversation")
-    ap.add_argument("--user-tokens", type=int, nargs=2, default=d_w.user_tokens, metavar=("MIN", "MAX"))
-    ap.add_argument("--output-tokens", type=int, nargs=2, default=d_w.output_tokens, metavar=("MIN", "MAX"))
+    ap.add_argument("--conversation-zipf", type=nonneg_float, default=d_w.conversation_zipf)
+    ap.add_argument(
+        "--turns-mean", type=at_least_number(1), default=d_w.turns_mean, help="1/this of requests start a conversation"
+    )
+    ap.add_argument("--user-tokens", type=at_least(1), nargs=2, default=d_w.user_tokens, metavar=("MIN", "MAX"))
+    ap.add_argument("--output-tokens", type=at_least(1), nargs=2, default=d_w.output_tokens, metavar=("MIN", "MAX"))
     ap.add_argument("--max-context", type=at_least(1), default=d_w.max_context)
     ap.add_argument("--insert-output", action="store_true", help="cache replies too (SGLang does; hicache: prompt)")
     ap.add_argument("--l1-tokens", type=at_least(1), default=None, help=f"default: {d_f.l1_tokens} (--quick: 40000)")
@@ -495,10 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--shared-l3-tokens", type=at_least(0), default=None, help="default: instances x --l3-tokens")
     ap.add_argument("--router", choices=["round_robin", "random"], default=d_f.router)
-    ap.add_argument("--warmup", type=float, default=d_f.warmup, help="fraction of requests left out of the figures")
+    ap.add_argument("--warmup", type=below_one, default=d_f.warmup, help="fraction of requests left out of the figures")
     for name, value in asdict(d_c).items():
-        if name not in ("bytes_per_token", "page_tokens"):
-            ap.add_argument(f"--{name.replace('_', '-')}", type=float, default=value)
+        if name not in ("bytes_per_token", "page_tokens"):  # NOTE: fixed costs may be 0
+            kind = nonneg_float if name.endswith("_ms") else positive_float
+            ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
     ap.add_argument("--bytes-per-token", type=at_least(1), default=d_c.bytes_per_token)
     ap.add_argument("--page-tokens", type=at_least(1), default=d_c.page_tokens)
     ap.add_argument("--quick", action="store_true", help="a small run for tests (seconds)")
@@ -506,6 +536,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=out_dir, default=default_out)
     ap.add_argument("--tag", type=tag_name, default=None, help="file name tag (default: quick or sim)")
     args = ap.parse_args(argv)
+    for flag in ("system_tokens", "user_tokens", "output_tokens"):
+        lo, hi = getattr(args, flag)
+        if lo > hi:
+            raise FlagError(f"--{flag.replace('_', '-')}", f"{lo} {hi}", "MIN must be <= MAX")
     # --quick: a smaller world, ~15x fewer requests, conversations and tier sizes (a flag given wins)
     sizes = {
         "requests": (d_w.requests, 6000),

@@ -192,7 +192,13 @@ def test_curated_results_redraw_from_their_json(tmp_path: Path) -> None:
         (["storage.py", "--workers", "100000"], "error: --workers 100000: must be at most 256"),
         (["storage.py", "--chunk-pages", "0"], "error: --chunk-pages 0: must be at least 1"),
         (["share.py", "--bandwidth-pages", "0"], "error: --bandwidth-pages 0: must be at least 1"),
-        (["fleet.py", "--system-tokens", "10", "5"], "error: system_tokens (10, 5): a token range needs 1 <= min"),
+        (["fleet.py", "--system-tokens", "10", "5"], "error: --system-tokens '10 5': MIN must be <= MAX"),
+        (["fleet.py", "--user-tokens", "0", "5"], "error: --user-tokens 0: must be at least 1"),
+        (["fleet.py", "--turns-mean", "0.5"], "error: --turns-mean 0.5: must be >= 1"),
+        (["fleet.py", "--system-zipf", "nan"], "error: --system-zipf nan: not a finite number"),
+        (["fleet.py", "--warmup", "1"], "error: --warmup 1: must be in [0, 1)"),
+        (["fleet.py", "--l2-gib-s", "0"], "error: --l2-gib-s 0: must be > 0"),
+        (["fleet.py", "--l2-fixed-ms", "-1"], "error: --l2-fixed-ms -1: must be >= 0"),
     ],
 )
 def test_a_bad_benchmark_flag_is_one_line_and_no_traceback(argv: list[str], says: str) -> None:
