@@ -45,11 +45,15 @@ def test_a_probe_that_never_answers_is_no_answer_from_the_master(monkeypatch: py
         ("local_buffer_size", "1" + "0" * 400 + "gb", "at most 1 PiB"),
         ("connect_timeout_s", 10**400, "up to 1e9"),
         ("connect_timeout_s", float("nan"), "up to 1e9"),
+        ("local_hostname", "host\x00name", "NUL"),  # C++ would read it cut at the NUL
+        ("metadata_server", "P2PHANDSHAKE\x00", "NUL"),
+        ("master_server_address", "127.0.0.1\x00:50051", "host:port"),
     ],
 )
-def test_sizes_and_timeouts_past_what_setup_takes_are_config_errors(key: str, value: object, says: str) -> None:
+def test_values_mooncakes_setup_cannot_take_are_config_errors(key: str, value: object, says: str) -> None:
     """Sizes past 2**64 were a TypeError from Mooncake's setup, a huge local buffer a
-    MemoryError from its C++, and a long digit string an OverflowError while parsing it."""
+    MemoryError from its C++, and a long digit string an OverflowError while parsing it; a
+    string with a NUL reached the C++ cut short."""
     from hicache.errors import ConfigError
 
     with pytest.raises(ConfigError, match=says):

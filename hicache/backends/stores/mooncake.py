@@ -79,7 +79,7 @@ def parse_size(name: str, value: object) -> int:
 
 
 def _address(name: str, value: object) -> tuple[str, int]:
-    if not isinstance(value, str) or ":" not in value:
+    if not isinstance(value, str) or ":" not in value or "\x00" in value:
         raise ConfigError(f"mooncake {name} must be 'host:port', got {value!r}")
     host, _, port = value.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()):  # NOTE: "²" is a digit to str.isdigit, not to int()
@@ -125,6 +125,8 @@ class MooncakeConfig:
         for name in ("metadata_server", "protocol", "local_hostname", "device_name"):
             if name in extra and not isinstance(extra[name], str):
                 raise ConfigError(f"mooncake {name} must be a str, got {extra[name]!r}")
+            if "\x00" in extra.get(name, ""):  # NOTE: Mooncake's C++ would read it cut at the NUL
+                raise ConfigError(f"mooncake {name} must not contain a NUL character, got {extra[name]!r}")
         protocol = extra.get("protocol", "tcp")
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"mooncake protocol must be 'tcp' or 'rdma', got {protocol!r}")
