@@ -28,7 +28,7 @@ die() { echo "mutation.sh: $*" >&2; exit 2; }
 value() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value"; }
 count() {  # flag, value, least: a whole number >= least
   value "$1" "${2-}"
-  [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -ge "$3" ] || die "$1 $2: must be a whole number >= $3"
+  [[ "$2" =~ ^[0-9]{1,18}$ ]] && [ "$2" -ge "$3" ] || die "$1 $2: must be a whole number >= $3 (at most 18 digits)"
 }
 while [ $# -gt 0 ]; do
   case "$1" in

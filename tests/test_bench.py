@@ -280,6 +280,7 @@ def test_guarded_ends_a_benchmark_with_one_line(
         (["--sample"], "--sample needs a value"),
         (["--sample", "abc"], "--sample abc: must be a whole number >= 0"),
         (["--jobs", "0"], "--jobs 0: must be a whole number >= 1"),
+        (["--sample", "9" * 23], f"--sample {'9' * 23}: must be a whole number >= 0"),  # past bash's integers
         (["--only"], "--only needs a value"),
         (["--bogus"], "unknown argument --bogus"),
         (["--sample", "3", "--per-file", "2"], "--sample and --per-file exclude each other"),
