@@ -400,3 +400,18 @@ def test_a_cache_killed_while_it_sizes_a_new_file_leaves_one_a_later_cache_opens
     assert run.returncode == 9, run.stderr[-2000:]
     assert path.stat().st_size == 8 * G.bytes_per_page  # sized, never finished
     StorageFile(G, 8, path).close()
+
+
+def test_a_new_file_that_cannot_be_locked_is_removed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flock`` failing for want of locks (ENOLCK: NFS without lockd) is a ConfigError, and
+    the file this cache created is removed (no one could hold it)."""
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    path = tmp_path / "l3.bin"
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(ConfigError, match="No locks available"):
+        StorageFile(G, 8, path)
+    assert not path.exists()

@@ -136,6 +136,9 @@ class StorageFile:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as exc:
                 raise ConfigError(f"L3 path {p} is in use by another cache (it is locked); give each its own") from exc
+            except OSError:
+                ours = created  # NOTE: no lock to be had here (NFS without lockd): no one holds it
+                raise
             try:
                 now = os.stat(p, follow_symlinks=False)
             except FileNotFoundError:
