@@ -36,7 +36,7 @@ from hicache.core.controller import (
 )
 from hicache.core.cost import CostModel, CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage, KVGeometry, TierSizes, plain_ints
-from hicache.core.interrupts import by_signal
+from hicache.core.interrupts import by_signal, hold_signals, release_signals
 from hicache.core.keys import encodable, format_seed
 from hicache.core.metrics import Metrics
 from hicache.core.protocols import DeviceMover
@@ -347,56 +347,64 @@ class HiCache:
             self.l2 = HostPool(g, max(1, config.l2_pages))
         except (RuntimeError, MemoryError, TypeError, ValueError, OverflowError) as exc:
             raise _l2_refused(config, exc) from exc
-        self.device = TransferEngine(self.l1, self.l2, config.transfer_backend, faults=self.faults)
-        if config.l2_pages:
-            self.device.prepare()  # one-time setup here, not in a live request's restore
-        storage: StoreMover | None = None
-        custom: PageStore | None = None
-        try:  # NOTE: a refusal past opening the store closes it (its threads, files and lock)
-            copier: DeviceMover = self.device if mover is None else _custom_mover(mover, self)
-            if config.l3_pages and store is not None:
-                custom = _custom_store(store, self.l2)
-                if custom.keyed and not config.model_id:
-                    raise ConfigError("a keyed store names pages by content: set config.model_id")
-                storage = StoreMover(
-                    custom,
-                    self.l2,
-                    slots=config.l3_pages,
-                    workers=config.storage_workers,
-                    deadline_s=config.storage_deadline_s,
-                    faults=self.faults,
+        # NOTE: the set-up's own calls that may block (prepare's autotune, the embedder's
+        # factories) run with the held signals' forwarders in place, as a cache's calls do: a
+        # timeout handler's exception raised there is known as one (interrupts.by_signal)
+        forwarding = hold_signals()
+        try:
+            self.device = TransferEngine(self.l1, self.l2, config.transfer_backend, faults=self.faults)
+            if config.l2_pages:
+                self.device.prepare()  # one-time setup here, not in a live request's restore
+            storage: StoreMover | None = None
+            custom: PageStore | None = None
+            try:  # NOTE: a refusal past opening the store closes it (its threads, files and lock)
+                copier: DeviceMover = self.device if mover is None else _custom_mover(mover, self)
+                if config.l3_pages and store is not None:
+                    custom = _custom_store(store, self.l2)
+                    if custom.keyed and not config.model_id:
+                        raise ConfigError("a keyed store names pages by content: set config.model_id")
+                    storage = StoreMover(
+                        custom,
+                        self.l2,
+                        slots=config.l3_pages,
+                        workers=config.storage_workers,
+                        deadline_s=config.storage_deadline_s,
+                        faults=self.faults,
+                    )
+                elif config.l3_pages:
+                    storage = open_storage(
+                        config.storage_backend,
+                        g,
+                        self.l2,
+                        slots=config.l3_pages,
+                        path=config.storage_path,
+                        extra=config.storage_extra,
+                        workers=config.storage_workers,
+                        checksums=config.checksums,
+                        direct=config.storage_direct,
+                        faults=self.faults,
+                        deadline_s=config.storage_deadline_s,
+                    )
+                self.storage = storage
+                self.core = CacheCore(
+                    g.page_size, TierSizes(config.l1_pages, config.l2_pages, config.l3_pages), tracing=config.tracing
                 )
-            elif config.l3_pages:
-                storage = open_storage(
-                    config.storage_backend,
-                    g,
-                    self.l2,
-                    slots=config.l3_pages,
-                    path=config.storage_path,
-                    extra=config.storage_extra,
-                    workers=config.storage_workers,
-                    checksums=config.checksums,
-                    direct=config.storage_direct,
-                    faults=self.faults,
-                    deadline_s=config.storage_deadline_s,
+                self.controller = Controller(
+                    self.core,
+                    copier,
+                    storage,
+                    CostModel(g.bytes_per_token, config.priors, config.policy),
+                    write_policy=config.write_policy,
+                    selective_hits=config.selective_hits,
+                    verifier=DigestVerifier(self.l1, self.l2) if config.verify_pages else None,
+                    key_seed=format_seed(config.model_id, g) if config.model_id else None,
                 )
-            self.storage = storage
-            self.core = CacheCore(
-                g.page_size, TierSizes(config.l1_pages, config.l2_pages, config.l3_pages), tracing=config.tracing
-            )
-            self.controller = Controller(
-                self.core,
-                copier,
-                storage,
-                CostModel(g.bytes_per_token, config.priors, config.policy),
-                write_policy=config.write_policy,
-                selective_hits=config.selective_hits,
-                verifier=DigestVerifier(self.l1, self.l2) if config.verify_pages else None,
-                key_seed=format_seed(config.model_id, g) if config.model_id else None,
-            )
-        except BaseException:
-            _close_quietly(storage if storage is not None else custom)
-            raise
+            except BaseException:
+                _close_quietly(storage if storage is not None else custom)
+                raise
+        finally:
+            if forwarding:
+                release_signals()  # NOTE: the controller holds them from here on, as long as it is open
         self._guard = PageGuard(self.l1) if config.guard_pages else None
         # NOTE: a pool this cache allocated too: another cache given it as its l1_buffer would
         # hand out the same pages

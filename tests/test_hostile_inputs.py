@@ -3,6 +3,7 @@ typed error raised before anything changed, never an untyped exception or silent
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 from pathlib import Path
@@ -306,11 +307,13 @@ def test_a_store_whose_members_raise_when_read_is_a_config_error_and_is_closed()
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="no SIGALRM here")
+@pytest.mark.parametrize("others", [0, 1], ids=["the-only-cache", "another-open"])
 @pytest.mark.parametrize("factory", ["mover", "store"])
-def test_a_timeout_while_a_factory_runs_reaches_the_caller_not_a_config_error(factory: str) -> None:
+def test_a_timeout_while_a_factory_runs_reaches_the_caller_not_a_config_error(factory: str, others: int) -> None:
     """A timeout's SIGALRM handler raising while the cache calls the embedder's ``mover`` or
-    ``store`` factory (another cache open: its signals are held) is the caller's timeout,
-    not a ConfigError saying the factory raised."""
+    ``store`` factory is the caller's timeout, not a ConfigError saying the factory raised:
+    whether or not another cache is open (its signals held already). Afterwards the handler
+    is the caller's again, and a cache builds and serves as before."""
     from hicache.backends.transfer import TransferEngine
 
     class Timeout(Exception):
@@ -322,7 +325,9 @@ def test_a_timeout_while_a_factory_runs_reaches_the_caller_not_a_config_error(fa
     cfg = HiCacheConfig(G, l1_pages=8, l2_pages=8, l3_pages=16, model_id="m", device="cpu", transfer_backend="torch")
     before = signal.signal(signal.SIGALRM, timeout)
     try:
-        with HiCache(HiCacheConfig(G, l1_pages=8, l2_pages=8, device="cpu", transfer_backend="torch")):
+        with contextlib.ExitStack() as open_ones:
+            for _ in range(others):
+                open_ones.enter_context(HiCache(HiCacheConfig(G, l1_pages=8, device="cpu", transfer_backend="torch")))
 
             def signalled(arg: object) -> Any:
                 signal.raise_signal(signal.SIGALRM)
@@ -333,6 +338,8 @@ def test_a_timeout_while_a_factory_runs_reaches_the_caller_not_a_config_error(fa
                     HiCache(cfg, mover=signalled)
                 else:
                     HiCache(cfg, store=signalled)
+            if not others:
+                assert signal.getsignal(signal.SIGALRM) is timeout  # nothing left in its place
             with HiCache(cfg, mover=lambda c: TransferEngine(c.l1, c.l2, "torch")) as fine:
                 _serve(fine, list(range(20)))
     finally:
