@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from hicache.engine.cli import ArgParser
 from hicache.errors import ConfigError, MisuseError
-from hicache.flags import FlagError, nonneg_float, positive_float, strict_float
+from hicache.flags import FlagError, nonneg_float, strict_float
 
 GiB = float(2**30)
 Mode = Literal["none", "local", "shared"]
@@ -464,18 +464,21 @@ def run(
     return meta, rows
 
 
-def at_least_number(low: float) -> Callable[[str], float]:
-    """An argparse type: a finite number >= ``low``."""
+def number(low: float, *, above: bool = False, inf: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number >= ``low`` (> ``low`` if ``above``), infinity too if ``inf``
+    (a zipf exponent: only the first; a link: free), never NaN."""
 
     def parse(text: str) -> float:
         try:
             value = strict_float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{_shown(text)}: not a number") from None
-        if not math.isfinite(value):
+        if math.isnan(value):
+            raise argparse.ArgumentTypeError(f"{text.strip()}: not a number")
+        if math.isinf(value) and not inf:
             raise argparse.ArgumentTypeError(f"{text.strip()}: not a finite number")
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text.strip()}: must be >= {low:g}")
+        if value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"{text.strip()}: must be {'>' if above else '>='} {low:g}")
         return value
 
     return parse
@@ -498,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--system-prompts", type=at_least(1), default=None, help=f"default: {d_w.system_prompts} (--quick: 20)"
     )
-    ap.add_argument("--system-zipf", type=nonneg_float, default=d_w.system_zipf)
+    ap.add_argument("--system-zipf", type=number(0, inf=True), default=d_w.system_zipf)
     ap.add_argument("--system-tokens", type=at_least(1), nargs=2, default=d_w.system_tokens, metavar=("MIN", "MAX"))
     ap.add_argument(
         "--conversations",
@@ -506,9 +509,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"conversation slots (default: {d_w.conversations}; --quick: 300)",
     )
-    ap.add_argument("--conversation-zipf", type=nonneg_float, default=d_w.conversation_zipf)
+    ap.add_argument("--conversation-zipf", type=number(0, inf=True), default=d_w.conversation_zipf)
     ap.add_argument(
-        "--turns-mean", type=at_least_number(1), default=d_w.turns_mean, help="1/this of requests start a conversation"
+        "--turns-mean", type=number(1), default=d_w.turns_mean, help="1/this of requests start a conversation"
     )
     ap.add_argument("--user-tokens", type=at_least(1), nargs=2, default=d_w.user_tokens, metavar=("MIN", "MAX"))
     ap.add_argument("--output-tokens", type=at_least(1), nargs=2, default=d_w.output_tokens, metavar=("MIN", "MAX"))
@@ -527,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=below_one, default=d_f.warmup, help="fraction of requests left out of the figures")
     for name, value in asdict(d_c).items():
         if name not in ("bytes_per_token", "page_tokens"):  # NOTE: fixed costs may be 0
-            kind = nonneg_float if name.endswith("_ms") else positive_float
+            kind = number(0, above=not name.endswith("_ms"), inf=True)
             ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
     ap.add_argument("--bytes-per-token", type=at_least(1), default=d_c.bytes_per_token)
     ap.add_argument("--page-tokens", type=at_least(1), default=d_c.page_tokens)

@@ -4,6 +4,7 @@ hicache's CostModel, and the quick run's files."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -284,10 +285,10 @@ def test_quick_sizes_yield_to_the_flags_given(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--turns-mean", "inf"], "turns_mean must be a finite number >= 1, got inf"),
-        (["--turns-mean", "0.5"], "turns_mean must be a finite number >= 1, got 0.5"),
-        (["--system-zipf", "nan"], "system_zipf must be a number >= 0, got nan"),
-        (["--conversation-zipf", "-1"], "conversation_zipf must be a number >= 0, got -1.0"),
+        (["--turns-mean", "inf"], "--turns-mean inf: not a finite number"),
+        (["--turns-mean", "0.5"], "--turns-mean 0.5: must be >= 1"),
+        (["--system-zipf", "nan"], "--system-zipf nan: not a number"),
+        (["--conversation-zipf", "-1"], "--conversation-zipf -1: must be >= 0"),
     ],
 )
 def test_a_workload_that_cannot_be_drawn_is_refused_before_anything_runs(
@@ -300,3 +301,22 @@ def test_a_workload_that_cannot_be_drawn_is_refused_before_anything_runs(
         guarded(lambda: fleet.main(["--quick", *argv, "--out", str(out)]))  # as __main__ runs it
     assert exc.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("low", "kw", "text", "value"),
+    [
+        (0, {"inf": True}, "inf", math.inf),  # a zipf exponent: only the first
+        (0, {"inf": True}, "Infinity", math.inf),
+        (0, {"inf": True}, "2e9", 2e9),
+        (0, {"above": True, "inf": True}, "inf", math.inf),  # a link: free
+        (0, {}, "0", 0.0),
+        (1, {}, " 2.5 ", 2.5),
+    ],
+)
+def test_number_flags_take_what_the_model_takes(low: float, kw: dict[str, bool], text: str, value: float) -> None:
+    """The flags take every value the workload and cost model take (infinity where they do),
+    and refuse NaN, which compares false everywhere."""
+    assert fleet.number(low, **kw)(text) == value
+    with pytest.raises(argparse.ArgumentTypeError, match="not a number"):
+        fleet.number(low, **kw)("nan")
