@@ -18,13 +18,20 @@ class Tokens(tuple[int, ...]):
     __slots__ = ()
 
 
+class _Checked(Tokens):
+    """What :func:`as_tokens` returns: only these skip the check (a ``Tokens`` made by hand,
+    ``Tokens(())`` say, is checked as any tuple)."""
+
+    __slots__ = ()
+
+
 def as_tokens(tokens: object) -> Tokens:
     """A non-empty 1-D sequence of ints in int64 range (tuple, list, integer tensor or
     array) as a tuple of plain ints.
     Bools in a sequence count as the ints 0 and 1, as everywhere in Python (a per-token type
     check would cost a pass over every prompt), and come back as them; a bool tensor or array
     is refused."""
-    if type(tokens) is Tokens:
+    if type(tokens) is _Checked:
         return tokens
     if isinstance(tokens, (str, bytes, bytearray, memoryview)):
         # NOTE: text or raw bytes, not token ids (a sequence of ints when indexed, yet never
@@ -78,7 +85,7 @@ def as_tokens(tokens: object) -> Tokens:
         raise MisuseError(f"tokens must be ints in int64 range, got {bad}") from None
     # NOTE: unpacked, they are plain ints (a bool or an int subclass among them is its
     # value), as the stores hash them and an engine's forward reads them.
-    return Tokens(struct.unpack(fmt, packed))
+    return _Checked(struct.unpack(fmt, packed))
 
 
 def plain_int(x: object) -> object:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.core.tokens import as_tokens, bounds
+from hicache.core.tokens import Tokens, as_tokens, bounds
 from hicache.errors import MisuseError
 
 
@@ -70,6 +70,15 @@ def test_a_checked_sequence_is_not_checked_again() -> None:
     out = as_tokens([3, 1, 2])
     assert as_tokens(out) is out
     assert as_tokens(tuple(out)) is not out  # a plain tuple is checked
+    assert isinstance(out, Tokens)
+
+
+@pytest.mark.parametrize(("made", "message"), [((), "empty"), ((1.5, 2), "1.5"), (("a",), "'a'"), ((2**64,), "int64")])
+def test_a_tokens_made_by_hand_is_checked_as_any_tuple(made: tuple[object, ...], message: str) -> None:
+    """Only what as_tokens returned skips the check: ``Tokens(())`` or ``Tokens((1.5,))``
+    built by hand (the class is importable) is refused as the tuple it holds would be."""
+    with pytest.raises(MisuseError, match=re.escape(message)):
+        as_tokens(Tokens(made))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("given", [[5], [3, -1, 9], [0, 2**63 - 1, -(2**63)], list(range(1000, 0, -7)), [True, 4]])
