@@ -416,7 +416,10 @@ class HiCache:
             # not the cache): they go when its controller is collected (the one that drives
             # the storage: kept by whoever kept it), with a ResourceWarning.
             self._unclosed = weakref.finalize(self.controller, _close_unclosed, storage)
-            self._unclosed.atexit = False  # at exit the process's end releases them
+            # NOTE: at exit the process's end releases a local store's; a remote store's client
+            # torn down with the interpreter while its calls run aborts the process ("terminate
+            # called without an active exception": Mooncake's, a put in flight): closed first
+            self._unclosed.atexit = bool(storage.store.remote)
 
     # -- the controller's calls ------------------------------------------------------------
 
