@@ -949,3 +949,44 @@ def test_a_containers_memory_limit_is_the_host_memory_the_checks_use(
     (tmp_path / "memory.max").write_text(limit + "\n")
     monkeypatch.setattr(facade, "CGROUP_LIMITS", (str(tmp_path / "absent"), str(tmp_path / "memory.max")))
     assert facade._host_memory() == (min(physical, 1 << 30) if capped else physical)
+
+
+def test_ctrl_c_while_the_engine_closes_is_one_line_and_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A Ctrl-C while the CLI closes the engine at the end of a run (a write_back flush into
+    the store) prints ``interrupted`` and exits 130, as earlier in the run (a traceback)."""
+    from hicache.engine.engine import Engine
+
+    real = Engine.close
+    closes: list[int] = []
+
+    def interrupted_close(self: Engine) -> None:
+        closes.append(1)
+        real(self)
+        raise KeyboardInterrupt  # as it ends: the store is closed, the Ctrl-C still to come out
+
+    monkeypatch.setattr(Engine, "close", interrupted_close)
+    argv = ["--device", "cpu", "--requests", "3", "--prefixes", "1", "--prefix-tokens", "32", "--enable-hicache"]
+    argv += ["--hicache-write-policy", "write_back", "--hicache-storage-ratio", "2"]
+    argv += ["--hicache-storage-backend", "dir", "--hicache-storage-path", str(tmp_path / "kv")]
+    try:
+        code, _, err = run_main(argv, capsys)
+    except KeyboardInterrupt:  # NOTE: caught here: escaping, it would end the whole pytest run
+        pytest.fail("the Ctrl-C while the engine closed came out of main()")
+    assert closes == [1] and (code, err.splitlines()[-1]) == (130, "interrupted"), err
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_as_the_cli_exits_is_one_line_and_130() -> None:
+    """A Ctrl-C once the run is over, while the interpreter exits (an exit handler still
+    running): ``interrupted`` and 130, not a process ended by SIGINT without a word."""
+    code = (
+        "import atexit, os, runpy, signal, sys, time\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))\n"
+        "sys.argv = ['hicache.engine', '--device', 'cpu', '--requests', '2', '--prefixes', '1',"
+        " '--prefix-tokens', '32']\n"
+        "runpy.run_module('hicache.engine', run_name='__main__', alter_sys=True)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (run.returncode, run.stderr.splitlines()[-1:]) == (130, ["interrupted"]), run.stderr[-2000:]

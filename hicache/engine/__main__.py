@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             "so such a prompt stays in L1 only and never reaches L3 (raise --hicache-ratio or --hicache-size)"
         )
     server = MetricsServer(args.metrics_port) if args.enable_metrics else None
+    interrupted = False
     try:
         if server is not None:
             try:
@@ -227,12 +229,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(engine.status(), indent=1, default=str))
     except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        try:
+            if server is not None:
+                server.stop()
+            engine.close()
+        except KeyboardInterrupt:
+            # NOTE: a Ctrl-C while the engine closes (a write_back flush, the store's queued
+            # writes): the close stops there; the store stays whole (each page is written
+            # whole or not at all) and what it lacks is recomputed next time
+            interrupted = True
+    if interrupted:
         print("interrupted", file=sys.stderr)
         return 130
-    finally:
-        if server is not None:
-            server.stop()
-        engine.close()
     if len(failed) and sum(failed.values()) == len(outs):
         reasons = "; ".join(f"{reason} ({n})" for reason, n in failed.most_common())
         print(f"error: all {len(outs)} requests failed: {reasons}", file=sys.stderr)
@@ -309,8 +319,19 @@ def _exit_interrupted() -> None:
     os._exit(130)
 
 
+def _late_interrupt(signum: int, frame: object) -> None:
+    """A Ctrl-C once :func:`run` has returned (everything closed), while the interpreter
+    exits: 130 and one line, as earlier (Python's own handler ended the process by SIGINT,
+    silently)."""
+    with contextlib.suppress(Exception):
+        print("interrupted", file=sys.stderr)
+    _exit_interrupted()
+
+
 if __name__ == "__main__":
     code = run()
     if code == 130:
         _exit_interrupted()
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # NOTE: not where it is ignored
+        signal.signal(signal.SIGINT, _late_interrupt)
     sys.exit(code)
