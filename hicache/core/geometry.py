@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NewType
 
-import numpy as np
 import torch
 
+from hicache.core.tokens import plain_int
 from hicache.errors import ConfigError
 
 DevicePage = NewType("DevicePage", int)
@@ -30,9 +30,7 @@ def plain_ints(obj: object, names: tuple[str, ...]) -> None:
     """Set each of ``names`` on a (frozen) dataclass ``obj`` that holds a numpy integer to the
     int it holds (sizes computed with numpy are ints too); anything else is left to be checked."""
     for name in names:
-        value = getattr(obj, name)
-        if isinstance(value, np.integer):
-            object.__setattr__(obj, name, int(value))
+        object.__setattr__(obj, name, plain_int(getattr(obj, name)))
 
 
 def _positive_int(name: str, value: object) -> None:
