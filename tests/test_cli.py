@@ -308,6 +308,28 @@ def test_bad_input_catalogue_one_line_naming_the_flag_exit_2(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA devices")
+def test_a_workload_past_the_checkpoints_context_is_a_flag_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint made for 64 positions: a workload whose requests need more is refused
+    in one line naming the largest flag written and the model's context, exit 2; one that
+    fits is served."""
+    from hicache.engine.model import build_model
+
+    net = build_model("tiny", device="cpu")
+    net.config.max_position_embeddings = 64  # type: ignore[union-attr]
+    net.save_pretrained(tmp_path)  # type: ignore[operator]
+    base = ["--model", str(tmp_path), "--requests", "2", "--suffix-tokens", "2"]
+    code, out, err = run_main([*base, "--prefix-tokens", "60", "--max-new-tokens", "3"], capsys)
+    assert (code, out) == (2, "") and err.strip().splitlines()[-1] == (
+        f"error: --prefix-tokens 60: a prompt of 62 tokens and 3 new needs 65 positions, "
+        f"the model ({tmp_path}) has 64 (max_position_embeddings)"
+    ), err
+    code, out, err = run_main([*base, "--prefix-tokens", "59", "--max-new-tokens", "3"], capsys)
+    assert code == 0 and "2 requests: 2 served, 0 failed" in out, (out, err)
+    assert "Loading weights" not in err  # transformers' bar stays off the run's stderr
+
+
 def test_cuda_device_on_a_cpu_only_torch_is_a_flag_error(capsys: pytest.CaptureFixture[str]) -> None:
     """``--device cuda`` without CUDA names the flag and the torch build, exit 2."""
     code, _, err = run_main(["--device", "cuda"], capsys)
@@ -355,6 +377,17 @@ def test_as_a_module_bad_input_prints_one_line_and_no_traceback() -> None:
         [sys.executable, "-m", "hicache.engine", "--num-pages", "0"], capture_output=True, text=True, timeout=120
     )
     assert (run.returncode, run.stdout, run.stderr) == (2, "", "error: --num-pages 0: must be an integer >= 1\n")
+
+
+def test_running_the_flags_module_says_where_the_program_is() -> None:
+    """``python -m hicache.engine.cli`` (the flags, not the program) runs nothing silently:
+    one line naming ``python -m hicache.engine``, exit 2."""
+    run = subprocess.run(
+        [sys.executable, "-m", "hicache.engine.cli", "--requests", "2"], capture_output=True, text=True, timeout=120
+    )
+    assert (run.returncode, run.stdout) == (2, "") and run.stderr.endswith(
+        "error: hicache.engine.cli holds the engine's flags; run python -m hicache.engine\n"
+    ), run.stderr
 
 
 def test_help_names_the_module_shows_defaults_and_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,7 +40,8 @@ NOT_RUN = {
     "pip install torch --index-url https://download.pytorch.org/whl/cpu": "needs the network; "
     "scripts/setup.sh installs torch",
     "bash scripts/test.sh": "the test command: it runs this test (CI's .ci/run runs exactly it)",
-    "bash scripts/run.sh": "the main job takes minutes on a CPU; tests/test_bench.py runs both of its benchmarks small",
+    "bash scripts/run.sh": "the main job (~30 s, more on a busy machine); tests/test_bench.py runs both of its "
+    "benchmarks small",
 }
 
 

@@ -30,8 +30,11 @@ import xxhash
 # does later, with one line and 130
 try:
     try:  # the [engine] extra
-        import transformers  # noqa: F401  (the models: checked here, for one line instead of a traceback)
+        import transformers  # the models: checked here, for one line instead of a traceback
         from tqdm import tqdm
+
+        # NOTE: a checkpoint's "Loading weights" bar on stderr, beside the run's one-line report
+        transformers.utils.logging.disable_progress_bar()
     except ImportError as _missing:
         print(
             "error: the reference engine needs the [engine] extra: "
@@ -41,7 +44,7 @@ try:
         raise SystemExit(2) from None
 
     from hicache.engine.cli import ArgParser, add_engine_args, engine_from_args, ineffective_flags, served_from, warn
-    from hicache.engine.engine import Engine, Output
+    from hicache.engine.engine import Engine, Output, model_context
     from hicache.errors import is_out_of_memory
     from hicache.flags import FlagError, given_flags, int_between, nonneg_int, port
     from hicache.metrics_http import MetricsServer
@@ -192,6 +195,19 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    context = model_context(engine.net)
+    positions = args.prefix_tokens + args.suffix_tokens + args.max_new_tokens
+    if context is not None and context < positions:
+        engine.close()
+        given = given_flags(ap, argv)
+        sizes = [d for d in ("prefix_tokens", "suffix_tokens", "max_new_tokens") if d in given] or ["prefix_tokens"]
+        culprit = max(sizes, key=lambda d: getattr(args, d))
+        prompt = args.prefix_tokens + args.suffix_tokens
+        ap.error(
+            f"--{culprit.replace('_', '-')} {getattr(args, culprit)}: a prompt of {prompt} tokens and "
+            f"{args.max_new_tokens} new needs {positions} positions, the model ({args.model}) has {context} "
+            "(max_position_embeddings)"
+        )
     storage = engine.cache.status().storage
     if storage and not storage.get("available", True):
         warn(f"L3 unavailable, running without it: {storage.get('error') or 'no reason given'}")

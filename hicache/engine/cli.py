@@ -488,3 +488,8 @@ def served_from(out: Output) -> str:
 
 def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
+
+
+if __name__ == "__main__":  # NOTE: a module of flags, nothing to run: say where the program is
+    print("error: hicache.engine.cli holds the engine's flags; run python -m hicache.engine", file=sys.stderr)
+    raise SystemExit(2)

@@ -191,6 +191,14 @@ def _check_rid(call: str, rid: object) -> int:
     return rid
 
 
+def model_context(net: torch.nn.Module) -> int | None:
+    """The positions the model was made for (its config's ``max_position_embeddings``), or
+    None where it does not say: a prompt past them runs, but a real checkpoint's outputs
+    there are not what it was trained to give."""
+    context = getattr(getattr(net, "config", None), "max_position_embeddings", None)
+    return context if type(context) is int and context > 0 else None
+
+
 def _check_seed(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
         raise ConfigError(f"seed must be an int in [0, 2**63), got {value!r}")
@@ -413,7 +421,8 @@ class Engine:
     def submit(self, prompt: list[int], max_new_tokens: int = 1) -> int:
         """Queue a request; returns its id. Served by :meth:`step`. Raises MisuseError for a
         prompt that is empty or not ints, ConfigError for tokens outside the vocabulary, a bad
-        ``max_new_tokens``, or a request the L1 pool can never hold."""
+        ``max_new_tokens``, a request longer than the model's context (its config's
+        ``max_position_embeddings``), or one the L1 pool can never hold."""
         self._check_open()
         max_new_tokens = plain_int(max_new_tokens)  # type: ignore[assignment]  # a numpy count, as for tokens
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -424,6 +433,12 @@ class Engine:
         if low < 0 or high >= vocab:
             bad = next(t for t in toks if not 0 <= t < vocab)
             raise ConfigError(f"prompt token {bad!r} is not in [0, {vocab})")
+        context = model_context(self.net)
+        if context is not None and len(toks) + max_new_tokens > context:
+            raise ConfigError(
+                f"a prompt of {len(toks)} tokens and {max_new_tokens} new needs {len(toks) + max_new_tokens} "
+                f"positions, the model has {context} (max_position_embeddings)"
+            )
         need = -(-(len(toks) + max_new_tokens) // self.page_size)
         if need > self.config.cache.l1_pages:
             raise ConfigError(

@@ -54,7 +54,8 @@ _TINY: dict[str, Any] = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
-    max_position_embeddings=8192,
+    # NOTE: random weights make no context: this only bounds what a workload may submit
+    max_position_embeddings=1 << 20,
 )
 _QWEN3: dict[str, Any] = dict(
     model_type="qwen3",

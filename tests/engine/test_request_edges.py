@@ -148,6 +148,19 @@ def test_an_empty_or_impossible_prompt_is_refused_at_submit() -> None:
     e.close()
 
 
+def test_a_request_longer_than_the_models_context_is_refused_at_submit() -> None:
+    """A prompt and its new tokens past the model's ``max_position_embeddings`` are a
+    ConfigError naming both counts; nothing is queued, and a request that fits is served."""
+    e = engine()
+    e.net.config.max_position_embeddings = 40  # type: ignore[union-attr]  # a checkpoint made for 40 positions
+    with pytest.raises(ConfigError, match="a prompt of 30 tokens and 11 new needs 41 positions, the model has 40"):
+        e.submit(list(range(30)), max_new_tokens=11)
+    assert e.pending == 0 and e.stats.submitted == 0
+    out = e.generate(list(range(30)), max_new_tokens=10)
+    assert len(out.tokens) == 10 and e.stats.submitted == 1
+    e.close()
+
+
 @pytest.mark.parametrize("when", ["waiting", "restoring", "ready", "decoding"])
 def test_an_abort_in_every_state_leaks_nothing(when: str) -> None:
     """A request aborted while waiting, restoring (an L3 read in flight), ready (a decode
