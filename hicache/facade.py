@@ -36,7 +36,7 @@ from hicache.core.controller import (
 )
 from hicache.core.cost import CostModel, CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage, KVGeometry, TierSizes, plain_ints
-from hicache.core.interrupts import by_signal, hold_signals, release_signals
+from hicache.core.interrupts import by_signal, held, hold_signals, release_signals
 from hicache.core.keys import encodable, format_seed
 from hicache.core.metrics import Metrics
 from hicache.core.protocols import DeviceMover
@@ -350,7 +350,7 @@ class HiCache:
         # NOTE: the set-up's own calls that may block (prepare's autotune, the embedder's
         # factories) run with the held signals' forwarders in place, as a cache's calls do: a
         # timeout handler's exception raised there is known as one (interrupts.by_signal)
-        forwarding = hold_signals()
+        self._holding = hold_signals()
         try:
             self.device = TransferEngine(self.l1, self.l2, config.transfer_backend, faults=self.faults)
             if config.l2_pages:
@@ -386,40 +386,54 @@ class HiCache:
                         deadline_s=config.storage_deadline_s,
                     )
                 self.storage = storage
-                self.core = CacheCore(
-                    g.page_size, TierSizes(config.l1_pages, config.l2_pages, config.l3_pages), tracing=config.tracing
-                )
-                self.controller = Controller(
-                    self.core,
-                    copier,
-                    storage,
-                    CostModel(g.bytes_per_token, config.priors, config.policy),
-                    write_policy=config.write_policy,
-                    selective_hits=config.selective_hits,
-                    verifier=DigestVerifier(self.l1, self.l2) if config.verify_pages else None,
-                    key_seed=format_seed(config.model_id, g) if config.model_id else None,
-                )
+                self._start(copier, storage, l1_buffer)
             except BaseException:
-                _close_quietly(storage if storage is not None else custom)
+                # NOTE: the controller, once made, closes the storage and lets the signals go
+                controller = getattr(self, "controller", None)
+                _close_quietly(controller if controller is not None else storage if storage is not None else custom)
                 raise
         finally:
-            if forwarding:
-                release_signals()  # NOTE: the controller holds them from here on, as long as it is open
-        self._guard = PageGuard(self.l1) if config.guard_pages else None
-        # NOTE: a pool this cache allocated too: another cache given it as its l1_buffer would
-        # hand out the same pages
-        _LIVE_L1[id(self)] = _extent(l1_buffer if l1_buffer is not None else self.l1.buffer)
-        weakref.finalize(self, _LIVE_L1.pop, id(self), None)
-        if storage is not None:
-            # NOTE: a cache dropped without close() would leave its L3 threads, open files and
-            # the dir store's lock for the life of the process (the threads hold the mover,
-            # not the cache): they go when its controller is collected (the one that drives
-            # the storage: kept by whoever kept it), with a ResourceWarning.
-            self._unclosed = weakref.finalize(self.controller, _close_unclosed, storage)
-            # NOTE: at exit the process's end releases a local store's; a remote store's client
-            # torn down with the interpreter while its calls run aborts the process ("terminate
-            # called without an active exception": Mooncake's, a put in flight): closed first
-            self._unclosed.atexit = bool(storage.store.remote)
+            if self._holding:  # NOTE: a refusal before _start let them go
+                self._holding = False
+                release_signals()
+
+    def _start(self, copier: DeviceMover, storage: StoreMover | None, l1_buffer: torch.Tensor | None) -> None:
+        """The end of the set-up, from the storage open to the finalizers that close it: run
+        as an atomic call (a signal mid-way would leave the storage with no one to close it)."""
+        config, g = self.config, self.config.geometry
+        with held():
+            self.core = CacheCore(
+                g.page_size, TierSizes(config.l1_pages, config.l2_pages, config.l3_pages), tracing=config.tracing
+            )
+            self.controller = Controller(
+                self.core,
+                copier,
+                storage,
+                CostModel(g.bytes_per_token, config.priors, config.policy),
+                write_policy=config.write_policy,
+                selective_hits=config.selective_hits,
+                verifier=DigestVerifier(self.l1, self.l2) if config.verify_pages else None,
+                key_seed=format_seed(config.model_id, g) if config.model_id else None,
+            )
+            self._guard = PageGuard(self.l1) if config.guard_pages else None
+            # NOTE: a pool this cache allocated too: another cache given it as its l1_buffer
+            # would hand out the same pages
+            _LIVE_L1[id(self)] = _extent(l1_buffer if l1_buffer is not None else self.l1.buffer)
+            weakref.finalize(self, _LIVE_L1.pop, id(self), None)
+            if storage is not None:
+                # NOTE: a cache dropped without close() would leave its L3 threads, open files
+                # and the dir store's lock for the life of the process (the threads hold the
+                # mover, not the cache): they go when its controller is collected (the one that
+                # drives the storage: kept by whoever kept it), with a ResourceWarning.
+                self._unclosed = weakref.finalize(self.controller, _close_unclosed, storage)
+                # NOTE: at exit the process's end releases a local store's; a remote store's
+                # client torn down with the interpreter while its calls run aborts the process
+                # ("terminate called without an active exception": Mooncake's, a put in
+                # flight): closed first
+                self._unclosed.atexit = bool(storage.store.remote)
+            if self._holding:  # NOTE: the controller holds them from here on, as long as it is open
+                self._holding = False
+                release_signals()
 
     # -- the controller's calls ------------------------------------------------------------
 
@@ -583,7 +597,7 @@ def _close_unclosed(storage: StoreMover) -> None:
     the collection may run on the engine's thread). At exit (an open cache's finalizer runs
     then) it closes here instead, and closers started before are waited for: a daemon thread
     still in the store's or torch's code when the interpreter ends aborts the process."""
-    if storage.closed:
+    if storage.shut:  # NOTE: not ``closed``: a close cut short by a signal is finished here
         return
     # NOTE: the close first: under an "error" warnings filter the warning raises here
     if getattr(weakref.finalize, "_shutdown", False) or sys.is_finalizing():

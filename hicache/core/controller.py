@@ -43,7 +43,7 @@ from typing import Any
 from hicache.core.cache import CacheCore
 from hicache.core.cost import CostModel, Plan
 from hicache.core.geometry import DevicePage
-from hicache.core.interrupts import atomic, from_signal, hold_signals, interruptible, release_signals
+from hicache.core.interrupts import atomic, from_signal, held, hold_signals, interruptible, release_signals
 from hicache.core.keys import page_keys
 from hicache.core.metrics import Levels, Metrics
 from hicache.core.node import Lease, Node, Transfer
@@ -229,6 +229,7 @@ class Controller:
         self.request_coverage: Counter[tuple[ReqState, ReqEvent]] = Counter()  # transitions taken
         self._owner = threading.get_ident()
         self.closed = False
+        self._storage_closing = False  # close() got as far as closing storage
         # NOTE: last: a refused construction holds nothing; one collected unclosed lets go
         self._signals: weakref.finalize[Any, Any] | None = None
         if hold_signals():
@@ -1209,6 +1210,9 @@ class Controller:
         if self.closed:
             return
         self._enter()
+        if self._storage_closing:  # NOTE: a close cut short (Ctrl-C) while storage closed: finish that
+            self._close_storage()
+            return
         if self._requests:  # NOTE: in a long-running loop, a request never released pins L1 for good
             ids = ", ".join(f"#{r}" for r in list(self._requests)[:5]) + (", ..." if len(self._requests) > 5 else "")
             log.warning(
@@ -1227,15 +1231,22 @@ class Controller:
         self.drain()
         if keep:
             self.flush()
+        self._storage_closing = True
+        self._close_storage()
+
+    def _close_storage(self) -> None:
+        """The end of :meth:`close`: storage closed (its waits interruptible; the next close
+        goes on from here), then the pages of I/O past its deadline are done with."""
         if self.storage is not None:
             self.storage.close()
-        for job in self._stragglers.values():  # I/O past its deadline at close: we are done with its pages
-            self.core.cancel(job.transfer)
-        self._stragglers.clear()
-        self._unreported.clear()
-        self.closed = True
-        if self._signals is not None:
-            self._signals()  # NOTE: once: a finalizer runs at most once
+        with held():  # NOTE: cut short, a transfer would be cancelled twice by the next close
+            for job in self._stragglers.values():  # I/O past its deadline at close: we are done with its pages
+                self.core.cancel(job.transfer)
+            self._stragglers.clear()
+            self._unreported.clear()
+            self.closed = True
+            if self._signals is not None:
+                self._signals()  # NOTE: once: a finalizer runs at most once
 
 
 _RESTORING = (ReqState.LOADING_L3, ReqState.LOADING_L2)

@@ -195,6 +195,21 @@ def atomic(fn: Callable[P, R]) -> Callable[P, R]:
 
 
 @contextmanager
+def held() -> Iterator[None]:
+    """A block that runs as an :func:`atomic` call does (a stretch of set-up that must not be
+    left half-done: threads started, a resource and the finalizer that frees it)."""
+    if _Held.depth or not _Held.users or threading.get_ident() != _MAIN_ID:
+        yield
+        return
+    _Held.depth, _Held.raised = 1, None
+    try:
+        yield
+    finally:
+        _Held.depth = 0
+        _deliver_held()
+
+
+@contextmanager
 def interruptible() -> Iterator[None]:
     """Inside an atomic call, a stretch signals are not held in (a mover issuing a copy):
     those that came before are delivered first."""

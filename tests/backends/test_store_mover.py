@@ -401,3 +401,55 @@ def test_an_interrupt_while_a_copy_is_issued_leaves_nothing_waiting_on_it(where:
         assert eventually(lambda: not s._active)
     finally:
         s.close()
+
+
+class _CutEvent(threading.Event):
+    """A job's event whose first wait is cut short by Ctrl-C."""
+
+    def __init__(self, inner: threading.Event) -> None:
+        super().__init__()
+        self.inner = inner
+        self.waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        if self.waits == 1:
+            raise _Interrupt("close's wait")
+        return self.inner.wait(timeout)
+
+    def set(self) -> None:
+        self.inner.set()
+
+    def is_set(self) -> bool:
+        return self.inner.is_set()
+
+
+def test_a_close_cut_short_while_it_waits_for_a_job_still_closes_the_store(tmp_path: Path) -> None:
+    """Ctrl-C while close waits for a write in the store (hung): close stops waiting, fails
+    the write, and the store closes as the write returns (the path opens again); a second
+    close returns at once."""
+    s = dir_store(tmp_path / "d", deadline_s=None, workers=1)
+    s.faults.add("hang", op="write")
+    fill(s.host, [0], [0])
+    ticket = s.write([0], [0], KEYS[:1])
+    assert eventually(lambda: s.faults.hanging == 1)
+    (job,) = s._active
+    job.event = _CutEvent(job.event)
+    with pytest.raises(_Interrupt):
+        s.close()
+    assert s.closed and s.shut and job.event.waits == 1
+    s.close()  # returns: the store closes when the write returns
+    with pytest.raises(ConfigError, match="in use"):
+        dir_store(tmp_path / "d")
+    s.faults.release()
+    assert ticket.wait() is False  # failed by the close, not reported stored
+    assert eventually(lambda: s.status()["io_running"] == 0)
+
+    def opens() -> bool:
+        try:
+            dir_store(tmp_path / "d").close()
+        except ConfigError:
+            return False
+        return True
+
+    assert eventually(opens), "the store stays open and locked after a close cut short"

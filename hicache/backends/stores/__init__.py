@@ -78,7 +78,11 @@ def open_storage(
 
         def opener() -> PageStore:
             file = StorageFile(geometry, slots, path, direct=direct)
-            return FileStore(file, host, chunk_pages=chunk, checksums=checksums, faults=faults)
+            try:
+                return FileStore(file, host, chunk_pages=chunk, checksums=checksums, faults=faults)
+            except BaseException:  # NOTE: a signal's exception too: the file stays open and locked
+                file.close()
+                raise
 
     elif kind == "dir":
         if path is None:

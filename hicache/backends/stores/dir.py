@@ -144,9 +144,11 @@ class DirStore:
         except FileNotFoundError:
             if "FORMAT.tmp" in _check_adoptable(self.dirfd, self.path):  # again, under the lock
                 os.unlink("FORMAT.tmp", dir_fd=self.dirfd)  # a dead opener's: made anew, not written through
+            # NOTE: first: a signal's exception between the create and this would leave the
+            # temp file behind (under the lock, no one else makes it)
+            self._made_format = True
             fd = os.open("FORMAT.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=self.dirfd)  # fmt: skip
-            self._made_format = True
             try:
                 os.write(fd, want.encode())
                 os.fsync(fd)
@@ -568,20 +570,23 @@ def _lock_dir(dirfd: int, path: Path) -> int:
     deletes ``LOCK`` cannot undo it) and on ``LOCK``, which names the holder's pid."""
     fd = os.open("LOCK", os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
     try:
-        fcntl.flock(dirfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        try:
+            fcntl.flock(dirfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            if not holder:  # NOTE: the directory is locked, but its LOCK file was removed and made anew
+                who = "another process (its pid is unknown: the LOCK file was removed)"
+            elif holder == str(os.getpid()):
+                who = "another cache of this process"
+            else:
+                who = f"another process (pid {holder})"
+            raise ConfigError(f"L3 directory {path} is in use by {who}; give each its own") from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:  # NOTE: a signal's exception too: the caller never sees fd, so its lock
         os.close(fd)
-        if not holder:  # NOTE: the directory is locked, but its LOCK file was removed and made anew
-            who = "another process (its pid is unknown: the LOCK file was removed)"
-        elif holder == str(os.getpid()):
-            who = "another cache of this process"
-        else:
-            who = f"another process (pid {holder})"
-        raise ConfigError(f"L3 directory {path} is in use by {who}; give each its own") from exc
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        raise
     return fd
 
 

@@ -34,7 +34,7 @@ from hicache.backends.pools import HostPool, PageFences, check_pages
 from hicache.backends.stores import at_exit
 from hicache.backends.stores.base import LOST, STORED, Op, PageStatus, PageStore, StoreTicket
 from hicache.backends.transfer import DeviceTicket
-from hicache.core.interrupts import by_signal
+from hicache.core.interrupts import by_signal, held
 from hicache.core.keys import KEY_BYTES
 from hicache.errors import ConfigError, MisuseError, PageOwnershipError
 from hicache.spec.model import Direction
@@ -170,8 +170,14 @@ class StoreMover:
         self._threads = [
             threading.Thread(target=self._worker, name=f"hicache-l3-{i}", daemon=True) for i in range(workers)
         ]
-        for t in self._threads:
-            t.start()
+        try:
+            with held():  # NOTE: a signal's exception mid-start: CPython's KeyError, a thread not started
+                for t in self._threads:
+                    t.start()
+        except BaseException:  # NOTE: the signal's, once all started: no one else will stop them
+            for _ in self._threads:
+                self._queue.put((_STOP, next(self._seq), None, 0))
+            raise
 
     # -- the StorageMover face ----------------------------------------------------------------
 
@@ -266,36 +272,66 @@ class StoreMover:
             out, self._settled = self._settled, []
         return out
 
+    @property
+    def shut(self) -> bool:
+        """:meth:`close` got past its waits: the store is closed, or closes as its last I/O
+        returns. (``closed`` is set at close's start: nothing new is taken from then.)"""
+        return self._closing
+
     def close(self, *, wait: bool = True) -> None:
         """Finish queued work (``wait``, at most ``close_timeout_s``) or cancel it; requests
-        still unfinished then fail. Returns in bounded time even if I/O hangs."""
-        if self.closed:
+        still unfinished then fail. Returns in bounded time even if I/O hangs. Cut short
+        while it waits (Ctrl-C), it stops waiting and still closes: I/O still running closes
+        the store as it returns."""
+        if self._closing:
+            with self._lock:
+                now = self._running == 0
+            if now:  # NOTE: a close cut short between its waits' end and the store's close
+                self._close_store()
             return
         self.closed = True
         end = time.perf_counter() + self.close_timeout_s
-        with self._lock:
-            jobs = list(self._active)
-        if wait:
-            for job in jobs:
-                job.event.wait(max(0.0, end - time.perf_counter()))
-        for job in jobs:
-            self._expire(job, "L3 storage closed before the request finished")
-        for _ in self._threads:
-            self._queue.put((_STOP, next(self._seq), None, 0))
-        for t in self._threads:
-            t.join(max(0.0, end - time.perf_counter()))
-        with self._lock:
-            self._closing = True
-            now = self._running == 0
-        if now:
-            self._close_store()
-            return
-        log.warning("hicache L3: %d I/O still running at close; the store closes when they return", self._running)
-        if self.store.remote:
-            # NOTE: a remote store's native call returning while the interpreter ends crashes
-            # the process (Mooncake's client, after its master died): the exit waits for it
-            what = f"{self.store.kind} store calls still running past close()"
-            at_exit.wait_at_exit(self._store_gone.is_set, at_exit.EXIT_WAIT_S, what)
+        try:
+            if wait:
+                with self._lock:
+                    jobs = list(self._active)
+                for job in jobs:
+                    job.event.wait(max(0.0, end - time.perf_counter()))
+        except BaseException:
+            self._shut(end, join=False)
+            raise
+        self._shut(end, join=True)
+
+    def _shut(self, end: float, *, join: bool) -> None:
+        """The end of :meth:`close`: fail what is unfinished, stop the workers (``join``: wait
+        for them until ``end``), close the store now or as its last I/O returns."""
+        try:
+            with held():  # NOTE: cut short, a worker would wait for work forever
+                with self._lock:
+                    jobs = list(self._active)
+                for job in jobs:
+                    self._expire(job, "L3 storage closed before the request finished")
+                for _ in self._threads:
+                    self._queue.put((_STOP, next(self._seq), None, 0))
+            if join:
+                for t in self._threads:
+                    t.join(max(0.0, end - time.perf_counter()))
+        finally:  # NOTE: a join cut short closes all the same
+            with self._lock:
+                self._closing = True
+                now = self._running == 0
+            if now:
+                self._close_store()
+            else:
+                log.warning(
+                    "hicache L3: %d I/O still running at close; the store closes when they return", self._running
+                )
+                if self.store.remote:
+                    # NOTE: a remote store's native call returning while the interpreter ends
+                    # crashes the process (Mooncake's client, after its master died): the exit
+                    # waits for it
+                    what = f"{self.store.kind} store calls still running past close()"
+                    at_exit.wait_at_exit(self._store_gone.is_set, at_exit.EXIT_WAIT_S, what)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
