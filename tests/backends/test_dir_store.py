@@ -677,9 +677,7 @@ def test_deleting_the_lock_file_does_not_let_a_second_opener_in(tmp_path: Path) 
     so a second opener is still refused (each would keep its own capacity over one directory)."""
     s = dir_store(tmp_path)
     (tmp_path / "LOCK").unlink()
-    with pytest.raises(
-        ConfigError, match=r"in use by another process \(its pid is unknown: the LOCK file was removed\)"
-    ):
+    with pytest.raises(ConfigError, match=r"in use by another process \(its pid is not in the LOCK file\)"):
         dir_store(tmp_path)
     s.close()
     dir_store(tmp_path).close()
@@ -814,3 +812,32 @@ def test_a_damaged_format_file_is_refused_in_a_short_line(tmp_path: Path, damage
          "empty": "(0 bytes); give another directory"}.get(damage, "give another directory")
     )  # fmt: skip
     assert sorted(p.name for p in store.iterdir()) == before
+
+
+@pytest.mark.parametrize("stranger", ["text", "directory"])
+def test_a_users_directory_with_a_format_file_is_refused_and_left_as_it_was(tmp_path: Path, stranger: str) -> None:
+    """A directory that is not a store but holds something named FORMAT (a user's notes): the
+    open is refused and leaves no lock file behind (the directory holds what it held)."""
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
+    if stranger == "text":
+        (tmp_path / "FORMAT").write_text("my format notes\n")
+    else:
+        (tmp_path / "FORMAT").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ConfigError, match=r"FORMAT (is a directory|file is not a hicache store's)"):
+        dir_store(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_refused_opener_names_the_pid_on_the_lock_files_first_line(tmp_path: Path) -> None:
+    """The holder writes its pid over the old one before cutting the old tail: a refused opener
+    reads only the first line (a longer pid left behind by an earlier holder is not part of it)."""
+    s = dir_store(tmp_path)
+    fd = os.open(tmp_path / "LOCK", os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"4242\n1234567\n", 0)  # as read between the holder's write and its cut
+    finally:
+        os.close(fd)
+    with pytest.raises(ConfigError, match=r"in use by another process \(pid 4242\); give each its own"):
+        dir_store(tmp_path)
+    s.close()

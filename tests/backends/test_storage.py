@@ -283,6 +283,42 @@ def test_second_cache_on_a_named_file_is_refused_and_the_first_keeps_its_pages(t
     StorageFile(G, 8, path).close()  # free again once the first closed
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_close_lets_go_of_the_file_while_a_forked_child_lives(tmp_path: Path) -> None:
+    """A child forked while the file is open (a worker pool's) shares its flock: ``close()``
+    unlocks it, so the path opens again at once; a child closing its copy does not unlock
+    the parent's."""
+    path = tmp_path / "l3.bin"
+    f = StorageFile(G, 8, path)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hold the inherited descriptor until told to go
+        try:
+            os.close(w)
+            os.read(r, 1)
+        finally:
+            os._exit(0)
+    os.close(r)
+    try:
+        f.close()
+        StorageFile(G, 8, path).close()  # in use by nobody now
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+    f = StorageFile(G, 8, path)
+    child = os.fork()
+    if child == 0:  # a child of an open file closing its copy: the parent's lock stays
+        try:
+            f.close()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    with pytest.raises(ConfigError, match="in use by another cache"):
+        StorageFile(G, 8, path)
+    f.close()
+
+
 def test_file_size_limit_below_l3_is_a_config_error_and_leaves_no_file(tmp_path: Path) -> None:
     """EFBIG (RLIMIT_FSIZE below the L3 size) is a ConfigError; no empty file is left."""
     import resource

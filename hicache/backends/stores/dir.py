@@ -128,8 +128,8 @@ class DirStore:
             self._scan()
             self._check_room()
         except BaseException as exc:
-            if self.lockfd >= 0 and "FORMAT" not in before:
-                self._undo_new(made, before)  # a refused new store leaves the directory as it was
+            if self.lockfd >= 0:
+                self._undo(made, before)  # a refused store leaves the directory as it was
             self.close()
             if isinstance(exc, OSError):
                 raise ConfigError(f"L3 directory {self.path}: cannot set up its files ({exc.strerror or exc})") from exc
@@ -234,11 +234,16 @@ class DirStore:
             os.close(fd)
         return None if parsed is None else parsed[0]
 
-    def _undo_new(self, made: bool, before: set[str]) -> None:
-        """Remove what opening a new store made (its FORMAT, its lock file, the directory
+    def _undo(self, made: bool, before: set[str]) -> None:
+        """Remove what a refused open made (a new store's FORMAT, the lock file, the directory
         itself), best effort, while its lock is still held. Only what this opener made: the
         listing ``before`` was taken before the lock, so another process may have created
         the store since (its FORMAT and lock file stay)."""
+        if "FORMAT" in before:  # NOTE: a store, or a stranger's FORMAT: only the lock file was ours
+            if "LOCK" not in before:
+                with contextlib.suppress(OSError):
+                    os.unlink("LOCK", dir_fd=self.dirfd)
+            return
         try:
             os.stat("FORMAT", dir_fd=self.dirfd, follow_symlinks=False)
             theirs = not self._made_format
@@ -574,16 +579,19 @@ def _lock_dir(dirfd: int, path: Path) -> int:
             fcntl.flock(dirfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            if not holder:  # NOTE: the directory is locked, but its LOCK file was removed and made anew
-                who = "another process (its pid is unknown: the LOCK file was removed)"
+            holder = os.pread(fd, 32, 0).decode(errors="replace").partition("\n")[0].strip()
+            if not holder:  # NOTE: its LOCK file was removed and made anew, or the holder is writing it
+                who = "another process (its pid is not in the LOCK file)"
             elif holder == str(os.getpid()):
                 who = "another cache of this process"
             else:
                 who = f"another process (pid {holder})"
             raise ConfigError(f"L3 directory {path} is in use by {who}; give each its own") from exc
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        # NOTE: the pid first, then the old tail cut: a refused opener reading meanwhile sees a
+        # whole first line (an emptied file would read as a removed one)
+        line = f"{os.getpid()}\n".encode()
+        os.pwrite(fd, line, 0)
+        os.ftruncate(fd, len(line))
     except BaseException:  # NOTE: a signal's exception too: the caller never sees fd, so its lock
         os.close(fd)
         raise

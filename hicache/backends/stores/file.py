@@ -75,6 +75,7 @@ class StorageFile:
         except OSError as exc:  # a name too long, an I/O error: the path is not usable
             raise ConfigError(f"L3 path {self.path or tempfile.gettempdir()}: {exc.strerror or exc}") from exc
         self.closed = False
+        self._opened_by = os.getpid()  # the process that locked the file (close unlocks there only)
 
     def _open(self, direct: bool) -> tuple[int, bool]:
         flag = getattr(os, "O_DIRECT", 0) if direct else 0
@@ -225,7 +226,13 @@ class StorageFile:
 
     def close(self) -> None:
         if not self.closed:
-            os.close(self.fd)  # NOTE: also drops the flock
+            if self.path is not None and os.getpid() == self._opened_by:
+                # NOTE: unlocked, not only closed: a child forked meanwhile shares the open
+                # file and with it the flock, which closing our descriptor leaves held while
+                # the child lives. A child closing its copy must not unlock ours.
+                with contextlib.suppress(OSError):
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
             self.closed = True
 
 
