@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -15,6 +16,7 @@ import torch
 
 import hicache.backends.stores.dir as dirmod
 from hicache.backends.pools import HostPool
+from hicache.backends.storage import StorageFile
 from hicache.backends.stores import PageStatus, open_storage
 from hicache.backends.stores.dir import TRAILER_BYTES
 from hicache.core.geometry import KVGeometry
@@ -841,3 +843,43 @@ def test_a_refused_opener_names_the_pid_on_the_lock_files_first_line(tmp_path: P
     with pytest.raises(ConfigError, match=r"in use by another process \(pid 4242\); give each its own"):
         dir_store(tmp_path)
     s.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+@pytest.mark.parametrize("backend", ["dir", "file"])
+def test_a_child_outliving_its_killed_parent_does_not_keep_the_store_locked(tmp_path: Path, backend: str) -> None:
+    """A process holding a store forks a child (a worker) and is killed: the child, still
+    alive, does not hold the store's lock, so the next cache on the path opens."""
+    code = f"""
+import os, sys, time, pathlib
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from tests.backends.store_helpers import G, dir_store
+from hicache.backends.storage import StorageFile
+where = pathlib.Path(sys.argv[1])
+store = dir_store(where) if {backend!r} == "dir" else StorageFile(G, 8, where)
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(60)
+"""
+    where = tmp_path / ("l3" if backend == "dir" else "l3.bin")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(where)], stdout=subprocess.PIPE, text=True)
+    child = -1
+    try:
+        assert holder.stdout is not None
+        child = int(holder.stdout.readline())
+        holder.kill()
+        holder.wait(timeout=30)
+        os.kill(child, 0)  # the child lives on
+        if backend == "dir":
+            dir_store(where).close()
+        else:
+            StorageFile(G, 8, where).close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+        if child > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)

@@ -48,6 +48,7 @@ import xxhash
 
 from hicache.backends.faults import FaultInjector, FaultKind
 from hicache.backends.pools import HostPool
+from hicache.backends.stores import forks
 from hicache.backends.stores.base import Op, PageStatus
 from hicache.backends.stores.iov import read_all, write_all
 from hicache.core.keys import KEY_BYTES
@@ -122,6 +123,7 @@ class DirStore:
             before = _check_adoptable(self.dirfd, self.path)  # before the lock file is made in it
             self.lockfd = _lock_dir(self.dirfd, self.path)
             self._locked_by = os.getpid()
+            forks.drop_in_children(self)
             if "FORMAT" not in before:
                 self._check_room()  # NOTE: a new store: refused for room before any file is made
             self._check_format()
@@ -370,6 +372,15 @@ class DirStore:
         for fd in (self.lockfd, self.dirfd):
             if fd >= 0:
                 os.close(fd)
+        self.lockfd = self.dirfd = -1
+
+    def drop_in_child(self) -> None:
+        """In a forked child: close the copies of the locked descriptors (the parent keeps the
+        lock; a child outliving a killed parent must not)."""
+        for fd in (self.lockfd, self.dirfd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         self.lockfd = self.dirfd = -1
 
     @property

@@ -36,6 +36,7 @@ import xxhash
 
 from hicache.backends.faults import Fault, FaultInjector, FaultKind
 from hicache.backends.pools import HostPool
+from hicache.backends.stores import forks
 from hicache.backends.stores.base import Op, PageStatus
 from hicache.backends.stores.iov import runs, skip
 from hicache.core.geometry import KVGeometry
@@ -76,6 +77,8 @@ class StorageFile:
             raise ConfigError(f"L3 path {self.path or tempfile.gettempdir()}: {exc.strerror or exc}") from exc
         self.closed = False
         self._opened_by = os.getpid()  # the process that locked the file (close unlocks there only)
+        if self.path is not None:
+            forks.drop_in_children(self)
 
     def _open(self, direct: bool) -> tuple[int, bool]:
         flag = getattr(os, "O_DIRECT", 0) if direct else 0
@@ -223,6 +226,15 @@ class StorageFile:
 
     def offset(self, slot: int) -> int:
         return slot * self.bytes_per_page
+
+    def drop_in_child(self) -> None:
+        """In a forked child: close the copy of the locked file (the parent keeps the lock; a
+        child outliving a killed parent must not)."""
+        if not self.closed:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1  # NOTE: its number may be reused for another file in the child
+            self.closed = True
 
     def close(self) -> None:
         if not self.closed:
