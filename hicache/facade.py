@@ -113,6 +113,7 @@ class HiCacheConfig:
     storage_extra: Mapping[str, Any] | None = None  # dir: {"fsync": bool}; mooncake: SGLang's extra-config keys
     storage_deadline_s: float | None = 10.0  # an L3 read or write past this (+10 s/GiB) fails; None: no deadline
     model_id: str = ""  # the model's identity (name or checkpoint hash): seeds the page keys of dir/mooncake
+    shard: str = ""  # this rank's slice of the KV heads ("tp0/2"), when ranks of one model share a keyed store
     checksums: bool = True  # file store: an xxh3 per L3 page, checked on read (the dir store always checks)
     transfer_backend: TransferBackend = "auto"
     policy: Policy | str = Policy.COST
@@ -166,6 +167,10 @@ class HiCacheConfig:
             raise ConfigError(f"model_id must be a str, got {self.model_id!r}")
         if not encodable(self.model_id):  # NOTE: here, before anything is allocated: its bytes seed the keys
             raise ConfigError(f"model_id must be text that encodes to bytes, got {self.model_id!r:.80}")
+        if not isinstance(self.shard, str) or not encodable(self.shard):
+            raise ConfigError(f'shard must be a str of text ("tp0/2"), got {self.shard!r:.80}')
+        if self.shard and not self.model_id:
+            raise ConfigError("shard names a slice of a model's pages: set model_id too")
         if self.l3_pages and self.storage_backend != "file" and not self.model_id:
             raise ConfigError(
                 f"storage_backend {self.storage_backend!r} names pages by content: set model_id (the model's "
@@ -413,7 +418,7 @@ class HiCache:
                 write_policy=config.write_policy,
                 selective_hits=config.selective_hits,
                 verifier=DigestVerifier(self.l1, self.l2) if config.verify_pages else None,
-                key_seed=format_seed(config.model_id, g) if config.model_id else None,
+                key_seed=format_seed(config.model_id, g, shard=config.shard) if config.model_id else None,
             )
             self._guard = PageGuard(self.l1) if config.guard_pages else None
             # NOTE: a pool this cache allocated too: another cache given it as its l1_buffer

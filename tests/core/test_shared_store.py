@@ -260,3 +260,28 @@ def test_pages_found_in_slots_this_cache_freed_restore_under_verification(verify
     assert b.metrics.verify_failures == 0
     b.check_integrity()
     b.close()
+
+
+def test_ranks_of_one_model_never_share_pages() -> None:
+    """Tensor-parallel ranks hold different KV heads in the same geometry: with their shard
+    named, rank 1 on rank 0's store finds none of rank 0's pages; the same shard finds them."""
+    a, store = make(shard="tp0/2")
+    compute(a, list(range(8)), seed=6)
+    for shard, hit in (("tp1/2", 0), ("", 0), ("tp0/2", 8)):
+        b, _ = make(store, shard=shard)
+        req = b.admit(list(range(8)))
+        assert req.hit[2] == hit, shard
+        b.release(req)
+        b.close()
+    a.close()
+
+
+@pytest.mark.parametrize("shard", [3, None, "\ud800"])
+def test_a_shard_that_is_not_text_is_refused(shard: object) -> None:
+    with pytest.raises(ConfigError, match="shard must be a str of text"):
+        HiCacheConfig(G, l1_pages=8, model_id=MODEL, shard=shard)  # type: ignore[arg-type]
+
+
+def test_a_shard_without_the_model_identity_is_refused() -> None:
+    with pytest.raises(ConfigError, match="set model_id too"):
+        HiCacheConfig(G, l1_pages=8, shard="tp0/2")
