@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from hicache.errors import MisuseError
@@ -19,6 +19,9 @@ class Fault:
     kind: FaultKind
     op: Literal["read", "write", "any"] = "any"
     delay_s: float = 0.0
+    # a ``hang`` taken by :meth:`FaultInjector.take`: the releases before it (a release
+    # between taking and hanging lets it through)
+    released_before: int | None = field(default=None, compare=False, repr=False)
 
 
 class FaultInjector:
@@ -39,6 +42,7 @@ class FaultInjector:
         self._queue: deque[Fault] = deque()
         self._lock = threading.Lock()
         self._released = threading.Event()
+        self._releases = 0
         self.injected: dict[str, int] = {}
         self.hanging = 0  # operations blocked in a ``hang`` right now
 
@@ -64,13 +68,15 @@ class FaultInjector:
                 if fault.op in (op, "any") and fault.kind in kinds:
                     del self._queue[i]
                     self.injected[fault.kind] = self.injected.get(fault.kind, 0) + 1
-                    return fault
+                    return replace(fault, released_before=self._releases) if fault.kind == "hang" else fault
         return None
 
     def hang(self, fault: Fault) -> None:
         """Block the calling (I/O) thread as ``fault`` says: until :meth:`release`, or
         ``delay_s`` (an hour if 0)."""
         with self._lock:
+            if fault.released_before is not None and fault.released_before != self._releases:
+                return  # NOTE: released between its take and now: it goes on at once
             released = self._released
             self.hanging += 1
         try:
@@ -80,10 +86,12 @@ class FaultInjector:
                 self.hanging -= 1
 
     def release(self) -> None:
-        """Let every operation blocked in a ``hang`` go on; later hangs block again."""
+        """Let every operation blocked in a ``hang``, or that has taken one, go on; hangs
+        taken later block again."""
         with self._lock:
             self._released.set()
             self._released = threading.Event()
+            self._releases += 1
 
     def clear(self) -> None:
         with self._lock:

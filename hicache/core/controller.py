@@ -1076,7 +1076,7 @@ class Controller:
             self.core.release(restore.source)
             restore.source = None
         req = restore.request
-        if outcome is Outcome.FAILED:
+        if outcome is Outcome.FAILED and not req.released:  # NOTE: a released request recomputes nothing
             self.metrics.fallbacks += 1
         if not req.released:
             self._move(req, ReqEvent.PUBLISH if outcome is Outcome.DONE else ReqEvent.FAIL, "restore")

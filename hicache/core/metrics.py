@@ -90,7 +90,7 @@ class Metrics:
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
     recomputed_tokens: int = 0
     promotions: int = 0  # L3 -> L2 runs published
-    fallbacks: int = 0  # restores that failed or could not start: the request recomputed
+    fallbacks: int = 0  # restores that failed or could not start: the request recomputed (not one released)
     policy_skips: int = 0  # a longer hit existed, the policy chose to recompute
     backups_skipped: int = 0  # write-through skipped: no room could be made
     restores: int = 0

@@ -175,6 +175,29 @@ def test_wrong_layer_events_are_refused_before_room_is_made() -> None:
 
 
 @pytest.mark.parametrize("tier", [Tier.L2, Tier.L3])
+def test_a_restore_that_fails_after_its_request_was_released_is_not_a_fallback(
+    monkeypatch: pytest.MonkeyPatch, tier: Tier
+) -> None:
+    """Released while its copy (S2H or H2D) already ran, then the copy reports failure: no
+    request recomputes, so ``fallbacks`` does not count it (its direction's failure does)."""
+    c = make()
+    tokens = list(range(8))
+    cached(c, tokens, Tier.L1, *([Tier.L2] if tier is Tier.L3 else []))
+    _synchronous(monkeypatch, c.device, "h2d")
+    _synchronous(monkeypatch, c.storage, "read")
+    c.faults.add("eio" if tier is Tier.L3 else "fail", op="read")
+    req = c.admit(tokens)
+    pending = c.start_restore(req, c.plan(req))
+    assert pending is not None
+    c.release(req)
+    _finish(c, pending)
+    assert pending.outcome == "failed" and c.metrics.fallbacks == 0
+    assert c.metrics.directions["S2H" if tier is Tier.L3 else "H2D"].failed == 1
+    c.check_integrity()
+    c.close()
+
+
+@pytest.mark.parametrize("tier", [Tier.L2, Tier.L3])
 def test_a_restore_released_after_its_copy_ran_ends_cancelled(monkeypatch: pytest.MonkeyPatch, tier: Tier) -> None:
     """Released while its copy (S2H or H2D) already ran, so it cannot be withdrawn: the next
     poll ends the restore CANCELLED (not a fallback), and what landed stays in the tree."""
