@@ -478,6 +478,36 @@ def test_a_flag_warned_ineffective_is_left_out_and_the_run_serves(
     assert f"warning: {warning}" in err.splitlines()
 
 
+@pytest.mark.parametrize(
+    ("extra", "warning"),
+    [
+        (
+            ["--enable-hicache", "--hicache-storage-path", "/nope/x"],
+            "--hicache-storage-path has no effect without --hicache-storage-size or --hicache-storage-ratio > 0",
+        ),
+        (
+            ["--enable-hicache", "--hicache-storage-size", "0", "--hicache-storage-ratio", "2",
+             "--hicache-storage-backend", "dir"],
+            "--hicache-storage-backend has no effect without --hicache-storage-size or --hicache-storage-ratio > 0",
+        ),
+        (
+            ["--enable-hicache", "--hicache-storage-size", "0", "--hicache-storage-path", "/nope/x"],
+            "--hicache-storage-path has no effect without --hicache-storage-size or --hicache-storage-ratio > 0",
+        ),
+    ],
+    ids=["path-without-l3", "dir-with-size-0", "path-with-size-0"],
+)  # fmt: skip
+def test_a_storage_flag_without_l3_only_warns(
+    capsys: pytest.CaptureFixture[str], extra: list[str], warning: str
+) -> None:
+    """With no L3 (no storage size or ratio, or a size of 0, which wins over a ratio) the
+    storage flags change nothing: they warn, are not checked, and the run serves."""
+    code, out, err = run_main([*SMALL, *extra], capsys)
+    assert code == 0 and "2 requests: 2 served, 0 failed" in out, err
+    assert f"warning: {warning}" in err.splitlines()
+    assert "error" not in err
+
+
 def test_warnings_reach_stderr_and_the_run_still_succeeds(capsys: pytest.CaptureFixture[str]) -> None:
     """A run with an ineffective flag prints the warning on stderr and serves its requests."""
     code, out, err = run_main([*SMALL, "--hicache-storage-path", "/tmp/x"], capsys)

@@ -243,8 +243,7 @@ def ineffective_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
     if not args.enable_hicache:
         out += [f"{flag[d]} has no effect without --enable-hicache" for d in hicache]
     else:
-        size, ratio = args.hicache_storage_size, args.hicache_storage_ratio
-        no_l3 = size == 0 or (size is None and ratio == 0)
+        no_l3 = not l3_on(args)
         l3_flags = (
             "hicache_storage_path",
             "hicache_storage_direct",
@@ -302,6 +301,13 @@ def check_device(args: argparse.Namespace) -> None:
             raise FlagError("--device", args.device, f"only {torch.cuda.device_count()} CUDA device(s) visible")
 
 
+def l3_on(args: argparse.Namespace) -> bool:
+    """Whether the flags give the engine an L3: hicache on, and a storage size above 0 or,
+    without a size, a storage ratio above 0 (a size given wins, 0 included)."""
+    size, ratio = args.hicache_storage_size, args.hicache_storage_ratio
+    return bool(args.enable_hicache) and (size > 0 if size is not None else ratio > 0)
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """What can be judged from the flags alone, before a model is built."""
     check_device(args)
@@ -313,7 +319,7 @@ def check_flags(args: argparse.Namespace) -> None:
         raise FlagError(
             "--hicache-storage-path", path, "an empty path (a directory for dir, a file for file; leave out: unnamed)"
         )
-    l3 = args.enable_hicache and (args.hicache_storage_size or args.hicache_storage_ratio)
+    l3 = l3_on(args)
     if l3 and path is None and args.hicache_storage_backend == "dir":
         raise FlagError("--hicache-storage-backend", "dir", "needs --hicache-storage-path (a directory)")
     extra, backend = args.hicache_storage_backend_extra_config, args.hicache_storage_backend
@@ -325,7 +331,7 @@ def check_flags(args: argparse.Namespace) -> None:
             json.dumps(extra),
             f"{', '.join(map(repr, foreign))}: for the {other} backend, not {backend} (its keys: {', '.join(own)})",
         )
-    if path is not None and args.enable_hicache:
+    if path is not None and l3 and args.hicache_storage_backend != "mooncake":  # NOTE: else it only warns
         try:
             _check_storage_path(Path(path), args.hicache_storage_backend)
         except OSError as exc:  # NOTE: a name longer than the system takes, an I/O error

@@ -49,6 +49,7 @@ from typing import Any, cast
 import torch
 
 from hicache.backends.transfer import TransferBackend
+from hicache.core import interrupts
 from hicache.core.controller import PendingRestore, Request, WritePolicy
 from hicache.core.cost import CostPriors, Plan, Policy
 from hicache.core.geometry import DevicePage
@@ -596,6 +597,7 @@ class Engine:
             self._admission_held = False  # those it waited for left (finished, aborted, failed)
         deferred: list[_Seq] = []
         held_back = False
+        taken: _Seq | None = None  # popped from the queue, maybe not yet admitted, deferred or failed
         try:
             while (
                 self._waiting
@@ -603,11 +605,25 @@ class Engine:
                 and not self._admission_held
                 and len(deferred) < DEFERRED_PER_STEP
             ):
-                seq = self._waiting.popleft()
-                if self._behind_a_restore(seq):
-                    deferred.append(seq)  # the restore in flight brings its head: admitted after it lands
+                with interrupts.held():  # NOTE: popped and named as one: an interrupt between them loses it
+                    taken = self._waiting.popleft()
+                if self._behind_a_restore(taken):
+                    deferred.append(taken)  # the restore in flight brings its head: admitted after it lands
                     continue
-                self._guarded(seq, self._admit)
+                self._guarded(taken, self._admit)
+                taken = None
+        except BaseException:
+            # NOTE: an interrupt (or a bug) before the request taken was admitted, deferred or
+            # failed: it waits again, behind those held back (as one that re-queued itself)
+            if (
+                taken is not None
+                and not taken.emitted
+                and taken.id not in self._active
+                and not (self._waiting and self._waiting[0] is taken)
+                and not (deferred and deferred[-1] is taken)
+            ):
+                self._waiting.appendleft(taken)
+            raise
         finally:
             # NOTE: also when an exception escapes an admission (a bug, an interrupt): the
             # requests held back wait again, ahead of the one that re-queued itself.
@@ -707,8 +723,13 @@ class Engine:
         self._check_open()
         # NOTE: outputs emitted outside a step (aborts) count too, even with nothing left to step
         outs, self._carried, self._finished = self._carried + self._finished, [], []
-        while self.pending:
-            outs.extend(self.step())
+        try:
+            while self.pending:
+                outs.extend(self.step())
+        except BaseException:
+            # NOTE: an interrupt in a later step: those finished before it come from the next call
+            self._carried[:0] = outs
+            raise
         return outs
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1) -> Output:
@@ -767,9 +788,9 @@ class Engine:
     def _admit(self, seq: _Seq) -> None:
         cache = self.cache
         t0 = time.perf_counter()
-        self._active[seq.id] = seq
-        seq.state = SeqState.READY
         try:
+            self._active[seq.id] = seq
+            seq.state = SeqState.READY
             # NOTE: the last prompt token is always computed (its logits start decoding), so
             # a fully cached page-aligned prompt's last page is recomputed into a private
             # page: matched only below it, that page is neither pinned nor restored, and the
@@ -779,7 +800,7 @@ class Engine:
             if not isinstance(exc, HiCacheError) or isinstance(exc, IntegrityError):
                 # NOTE: not the request's failure (a bug, an interrupt): it was not admitted,
                 # so it waits again instead of staying active without a cache request.
-                del self._active[seq.id]
+                self._active.pop(seq.id, None)
                 seq.state = SeqState.WAITING
                 self._waiting.appendleft(seq)
             raise

@@ -127,17 +127,36 @@ def check_clean(e: Engine) -> None:
 
 @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
 @pytest.mark.parametrize("nth", [1, 2, 5])
-@pytest.mark.parametrize("name", [*CACHE_CALLS, "forward", "_emit"])
+@pytest.mark.parametrize("name", [*CACHE_CALLS, "forward", "_emit", "_behind_a_restore"])
 def test_an_interrupt_anywhere_in_a_step_loses_nothing_and_corrupts_nothing(name: str, nth: int, after: bool) -> None:
     e = engine()
     try:
         # the runner's forward, the cache's calls, and the engine's own emitting of an Output
-        # (the window between a request's Output and the engine forgetting it)
-        target = e.runner if name == "forward" else e if name == "_emit" else e.cache
+        # (the window between a request's Output and the engine forgetting it) and check of a
+        # request taken from the queue (the window before it is admitted)
+        target = e.runner if name == "forward" else e if name in ("_emit", "_behind_a_restore") else e.cache
         calls = interrupt_at(target, name, nth, after)
         ids, outs, caught = serve(e, rounds=3)
         assert caught == (1 if calls[0] >= nth else 0)
         check_served(e, ids, outs, "Interrupt")  # the interrupt fires at the nth call only
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("nth", [2, 3, 5])
+def test_an_interrupt_in_a_later_step_of_run_keeps_the_outputs_of_the_earlier(nth: int) -> None:
+    """``run()`` cut short in one of its later steps: the requests that finished in its
+    earlier steps are not lost (they come from the next call, once each)."""
+    e = engine()
+    try:
+        short = e.submit(PROMPTS[3], max_new_tokens=1)  # finishes in its prefill
+        long = e.submit(PROMPTS[0], max_new_tokens=8)
+        interrupt_at(e.runner, "forward", nth, after=False)
+        with pytest.raises(Interrupt):
+            e.run()
+        outs = e.run()
+        assert sorted(o.id for o in outs) == [short, long] and all(o.error is None for o in outs)
+        check_clean(e)
     finally:
         e.close()
 
