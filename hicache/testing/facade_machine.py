@@ -43,7 +43,7 @@ from hicache.backends.faults import FaultKind
 from hicache.backends.pools import HostPool
 from hicache.backends.stores import PageStore
 from hicache.backends.ticket import Timings
-from hicache.core.controller import Request
+from hicache.core.controller import PendingRestore, Request
 from hicache.core.geometry import KVGeometry
 from hicache.core.keys import page_keys
 from hicache.core.node import Node
@@ -419,6 +419,8 @@ class FacadeMachine(RuleBasedStateMachine):
         self.prompts: list[tuple[int, ...]] = []
         self.store: Any = None  # the L3 store made by make_store (None: the cache's own)
         self.checked: CheckedMover | None = None  # the mover, under the real machine
+        self.started: list[PendingRestore] = []  # restores start_restore returned (kept: ids stay unique)
+        self.reported: set[int] = set()  # ids of those a poll returned
 
     @property
     def c(self) -> HiCache:
@@ -530,13 +532,31 @@ class FacadeMachine(RuleBasedStateMachine):
             end = min(len(tokens), (first_page + i + 1) * ps)
             self.c.l1.buffer[:, :, p] = page_content(tokens[:end])
 
+    def _poll(self) -> list[PendingRestore]:
+        """``poll()``, checking its contract: it returns only restores that ``start_restore``
+        gave and that finished, each once; and after it, every such restore of a request still
+        live that has finished was returned (an engine loop hands a restore over only then)."""
+        finished = self.c.poll()
+        started = {id(r) for r in self.started}
+        for r in finished:
+            assert id(r) in started, f"poll returned a restore no start_restore gave (request #{r.request.id})"
+            assert r.finished, f"poll returned restore of request #{r.request.id} before it finished ({r.stage})"
+            assert id(r) not in self.reported, f"poll returned the restore of request #{r.request.id} twice"
+            self.reported.add(id(r))
+        for r in self.started:
+            if r.finished and not r.request.released:
+                assert id(r) in self.reported, (
+                    f"the restore of request #{r.request.id} ended ({r.stage}) and no poll returned it"
+                )
+        return finished
+
     def _settle(self) -> None:
         """Complete everything queued (scheduled) or wait for it (real backends)."""
         for _ in range(100):
             for m in self.movers:
                 while m.queue:
                     m.finish(0, True)
-            self.c.poll()
+            self._poll()
             st_ = self.c.status()
             if not st_.pending_backups and not st_.pending_restores:
                 return
@@ -614,7 +634,7 @@ class FacadeMachine(RuleBasedStateMachine):
             mover = self.movers[0 if op.endswith("copy") else 1]
             while mover.queue:
                 mover.finish(0, op.startswith("land"))
-            self.c.poll()
+            self._poll()
         elif op in ("begin_copy", "begin_io"):
             for ticket in self.movers[0 if op.endswith("copy") else 1].queue:
                 ticket.started = True
@@ -762,6 +782,8 @@ class FacadeMachine(RuleBasedStateMachine):
             self.c.restore(req)
         else:  # layered: as the engine asks on CPU (no events to record; pages named early)
             pending = self.c.start_restore(req, layer_events=() if layered else None)
+            if pending is not None:
+                self.started.append(pending)
             _note(f"restore #{req.id}: {None if pending is None else pending.plan}, layered {layered}")
 
     @precondition(_has_requests)
@@ -840,7 +862,7 @@ class FacadeMachine(RuleBasedStateMachine):
     def finish_transfer(self, which: int, i: int, ok: bool) -> None:
         movers = [m for m in self.movers if m.queue]
         movers[which % len(movers)].finish(i, ok)
-        self.c.poll()
+        self._poll()
 
     def _has_device_queued(self) -> bool:
         return bool(self.movers and self.movers[0].queue)
@@ -851,11 +873,11 @@ class FacadeMachine(RuleBasedStateMachine):
         """L1 <-> L2 copies land soon and in order; storage I/O (only ``finish_transfer``)
         stays in flight longer, as a disk does."""
         self.movers[0].finish(0, True)
-        self.c.poll()
+        self._poll()
 
     @rule()
     def poll(self) -> None:
-        self.c.poll()
+        self._poll()
 
     @rule(tier=st.sampled_from(Tier), n=st.sampled_from([1, 2, 100]))
     def evict(self, tier: Tier, n: int) -> None:
@@ -926,6 +948,7 @@ class FacadeMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.cache is None:
             return
+        self._poll()  # NOTE: one more: what the last poll returned must not come again
         self.c.check_integrity()
         self.c.close()  # with transfers still queued: withdrawn or drained
         self.withdrawn_copies_never_land()  # close withdraws the backups not started

@@ -243,3 +243,35 @@ def test_random_runs_catch_a_store_serving_a_reused_slots_old_bytes() -> None:
     )
     with pytest.raises(AssertionError, match="holds wrong content: another page's content"):
         run_state_machine_as_test(cls, settings=config)
+
+
+@pytest.mark.parametrize(
+    ("bug", "says"),
+    [("none", "ended .* and no poll returned it"), ("twice", "twice"), ("early", "before it finished")],
+)
+def test_the_machines_catch_a_poll_that_breaks_its_contract(
+    monkeypatch: pytest.MonkeyPatch, bug: str, says: str
+) -> None:
+    """An engine hands a prefetched restore over only when ``poll()`` returns it: a poll
+    that never returns finished restores, returns one twice, or returns one still in flight
+    fails the sweep of the scheduled machine, naming the request."""
+    from hicache.core.controller import Controller
+
+    real = Controller.poll
+
+    def broken(self: Controller) -> list[Any]:
+        out = real(self)
+        if bug == "none":
+            return []
+        if bug == "twice":
+            mine: list[Any] = self.__dict__.setdefault("_returned_by_poll", [])  # this controller's
+            again = [r for r in mine if all(r is not o for o in out)]
+            mine.extend(out)
+            return out + again[:1]
+        inflight = [r for r in self._unreported if not r.finished]
+        pending = [j.restore for j in self._jobs.values() if j.restore is not None and not j.restore.finished]
+        return out + (inflight or pending)[:1]
+
+    monkeypatch.setattr(Controller, "poll", broken)
+    with pytest.raises(AssertionError, match=says):
+        sweep_recipes(FacadeMachine, None)
