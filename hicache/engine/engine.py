@@ -52,7 +52,7 @@ from hicache.backends.transfer import TransferBackend
 from hicache.core import interrupts
 from hicache.core.controller import PendingRestore, Request, WritePolicy
 from hicache.core.cost import CostPriors, Plan, Policy
-from hicache.core.geometry import DevicePage
+from hicache.core.geometry import DevicePage, KVGeometry
 from hicache.core.interrupts import atomic
 from hicache.core.tokens import Tokens, as_tokens, bounds, plain_int
 from hicache.engine.model import (
@@ -377,22 +377,27 @@ class Engine:
         self.prefetch = config.prefetch
         self.max_batch = config.max_batch
         self.cache = HiCache(cc)
-        self._owner = threading.get_ident()  # the cache's too: both are single-threaded
         try:
-            self.runner = ModelRunner(
-                self.net,
-                self.cache.l1,
-                cuda_graphs=config.cuda_graphs,
-                graph_short_prefills=config.graph_short_prefills,
-                attention=config.attention,
-                cudnn=config.cudnn,
-                layer_groups=self.cache.device.layer_groups(),
-            )
+            self._set_up(config, cc, g)
         except BaseException:
-            # NOTE: a refused setting must not leave the cache open: its store stays locked
-            # (a dir store for this process's lifetime) and its pools allocated.
+            # NOTE: a refused setting, or an interrupt (Ctrl-C) anywhere in the set-up, must not
+            # leave the cache open: its store stays locked (a dir store for this process's
+            # lifetime) and its pools allocated.
             self.cache.close()
             raise
+
+    def _set_up(self, config: EngineConfig, cc: HiCacheConfig, g: KVGeometry) -> None:
+        """The engine's state beside its open cache (closed by ``__init__`` if this raises)."""
+        self._owner = threading.get_ident()  # the cache's too: both are single-threaded
+        self.runner = ModelRunner(
+            self.net,
+            self.cache.l1,
+            cuda_graphs=config.cuda_graphs,
+            graph_short_prefills=config.graph_short_prefills,
+            attention=config.attention,
+            cudnn=config.cudnn,
+            layer_groups=self.cache.device.layer_groups(),
+        )
         layered = config.layered_restore
         if layered is None:  # auto: where the copy can signal layers as they land
             layered = self.cache.device.layered
@@ -464,9 +469,10 @@ class Engine:
             return False
         try:
             self.stats.aborted += 1
-            self._emit(seq, error="aborted")
-            if self._active.pop(rid, None) is None:
-                self._waiting.remove(seq)
+            with interrupts.held():  # NOTE: an Output out and the request still queued: served twice
+                self._emit(seq, error="aborted")
+                if self._active.pop(rid, None) is None:
+                    self._waiting.remove(seq)
             restore = seq.restore if seq.state is SeqState.RESTORING else None
             self._drop(seq)
             if restore is not None and not restore.finished:
@@ -559,6 +565,8 @@ class Engine:
         holds (one admitted but not yet kept, or one whose request was forgotten before its
         release)."""
         self._interrupted = True
+        if any(s.emitted for s in self._waiting):  # an abort cut short between its Output and the queue
+            self._waiting = deque(s for s in self._waiting if not s.emitted)
         active = list(self._active.values())
         done = [s for s in active if s.emitted or (s.state is SeqState.DECODING and len(s.out) >= s.max_new)]
         for seq in done:
@@ -739,8 +747,18 @@ class Engine:
         rid = self.submit(prompt, max_new_tokens)
         while True:
             outs = self.step()
-            mine = next((out for out in outs if out.id == rid), None)
-            self._carried.extend(out for out in outs if out.id != rid)
+            mine = None
+            try:
+                for out in outs:
+                    if out.id == rid:
+                        mine = out
+                    else:
+                        self._carried.append(out)
+            except BaseException:
+                # NOTE: an interrupt while they are sorted: every one not yet carried, this
+                # request's too, comes from the next call
+                self._carried.extend(o for o in outs if all(o is not c for c in self._carried))
+                raise
             if mine is not None:
                 if mine.error is not None:
                     raise RequestFailed(f"request {rid}: {mine.error}")
@@ -1095,6 +1113,10 @@ class Engine:
             # Tokens [0, cached_len) now read from the tree's pages, the rest from our own
             # (cached_len < aligned where the tree refused pages: a transfer is in flight there).
             seq.pages = cache.prefix_pages(req) + own[(req.cached_len - cached) // ps :]
+            seq.out.append(token)
+            # NOTE: here, not after: a request left READY past its insert would be prefilled
+            # again over the tree's pages
+            seq.state = SeqState.DECODING
         except BaseException as exc:
             if not isinstance(exc, HiCacheError):
                 # NOTE: cut short (Ctrl-C), its pages may be the tree's already: prefilled
@@ -1105,8 +1127,6 @@ class Engine:
                     log.warning("hicache engine: giving back request %d failed: %r", seq.id, failure)
             raise
         self.stats.cache_s += time.perf_counter() - t0
-        seq.out.append(token)
-        seq.state = SeqState.DECODING
         if len(seq.out) >= seq.max_new:
             self._complete(seq)
 
@@ -1182,22 +1202,22 @@ class Engine:
         self._drop(seq)
 
     def _emit(self, seq: _Seq, error: str | None = None) -> None:
-        seq.emitted = True
-        self._finished.append(
-            Output(
-                seq.id,
-                seq.out,
-                seq.first_logits,
-                seq.ttft,
-                time.perf_counter() - seq.arrived,
-                seq.cached,
-                seq.restored_from,
-                seq.restore_failed,
-                error,
-                seq.restore_wait,
-                seq.prefill_s,
-            )
+        out = Output(
+            seq.id,
+            list(seq.out),
+            seq.first_logits,
+            seq.ttft,
+            time.perf_counter() - seq.arrived,
+            seq.cached,
+            seq.restored_from,
+            seq.restore_failed,
+            error,
+            seq.restore_wait,
+            seq.prefill_s,
         )
+        with interrupts.held():  # NOTE: flagged without its Output (or the reverse), it is lost (or doubled)
+            self._finished.append(out)
+            seq.emitted = True
 
     def status(self) -> dict[str, object]:
         """Queue, states, counters, graph use and the cache's status (JSON-ready)."""

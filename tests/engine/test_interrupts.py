@@ -161,6 +161,108 @@ def test_an_interrupt_in_a_later_step_of_run_keeps_the_outputs_of_the_earlier(nt
         e.close()
 
 
+def test_an_interrupt_right_after_a_prefill_handed_its_pages_over_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C at the engine's first clock read after ``insert`` handed a prefill's pages to the
+    tree: the request has moved on (it decodes, never prefilled again over the tree's pages),
+    so every request finishes once with a recompute's tokens, and later ones read good pages."""
+    import time as real_time
+    from types import SimpleNamespace
+
+    from hicache.engine import engine as engine_module
+
+    e = engine()
+    try:
+        armed = [0]
+        insert = e.cache.insert
+
+        def inserting(*args: Any, **kwargs: Any) -> Any:
+            out = insert(*args, **kwargs)
+            armed[0] += 1
+            return out
+
+        def clock() -> float:
+            if armed[0] == 2:  # the second insert's: the first request's prefix already cached
+                armed[0] += 1
+                raise Interrupt("after insert")
+            return real_time.perf_counter()
+
+        setattr(e.cache, "insert", inserting)  # noqa: B010
+        monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=clock, sleep=real_time.sleep))
+        ids, outs, caught = serve(e, rounds=2)
+        assert caught == 1
+        check_served(e, ids, outs, "Interrupt")
+    finally:
+        e.close()
+
+
+def test_an_abort_cut_short_after_its_output_serves_the_request_once() -> None:
+    """An abort of a queued request interrupted between its Output and its leaving the queue:
+    the request is not served later (one Output, ``aborted``)."""
+    e = edge_engine(num_pages=12, l2_pages=48, l3_pages=96, max_batch=1)
+    try:
+        first = e.submit(PROMPTS[0], max_new_tokens=3)
+        queued = e.submit(PROMPTS[2], max_new_tokens=3)
+        interrupt_at(e, "_emit", 1, after=True)
+        with pytest.raises(Interrupt):
+            e.abort(queued)
+        outs = e.run()
+        assert sorted(o.id for o in outs) == [first, queued]
+        assert next(o for o in outs if o.id == queued).error == "aborted"
+        check_clean(e)
+    finally:
+        e.close()
+
+
+def test_an_interrupt_while_an_output_is_made_loses_no_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a request's Output is built: the request is not taken as finished without
+    one (it finishes at the next call, once)."""
+    from hicache.engine import engine as engine_module
+
+    e = engine()
+    try:
+        made = [0]
+        real = engine_module.Output
+
+        def output(*args: Any) -> Any:
+            made[0] += 1
+            if made[0] == 1:
+                raise Interrupt("Output")
+            return real(*args)
+
+        monkeypatch.setattr(engine_module, "Output", output)
+        ids, outs, caught = serve(e, rounds=1)
+        assert caught == 1
+        check_served(e, ids, outs, "Interrupt")
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("backend", ["dir", "file"])
+def test_an_interrupt_while_the_engine_is_built_leaves_its_store_free(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """Ctrl-C after the engine opened its cache, before its set-up ended: the cache is
+    closed, so the next engine on the same L3 path opens."""
+    from hicache.engine import engine as engine_module
+
+    where = str(tmp_path / ("kv" if backend == "dir" else "kv.bin"))
+    kw: dict[str, object] = dict(storage_backend=backend, storage_path=where)
+
+    def stats() -> Any:
+        raise Interrupt("set-up")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine_module, "EngineStats", stats)
+        with pytest.raises(Interrupt) as caught:
+            edge_engine(**kw)
+    # NOTE: with the exception still held (an interactive session keeps the last one), so
+    # its traceback keeps the half-built engine alive: no finalizer is what frees the store
+    edge_engine(**kw).close()
+    assert caught.value.args == ("set-up",)
+
+
 def test_an_interrupt_in_abort_loses_nothing() -> None:
     """Ctrl-C while an abort gives a request's pages back: the request is out once, and the
     next step gives back what it still held."""
