@@ -57,6 +57,8 @@ MAX_DEADLINE_S = 1e9
 
 MOVER_MEMBERS = ("layered", "layer_groups", "d2h", "h2d", "status")  # what the controller calls
 _STORE_MEMBERS = ("kind", "keyed", "shared", "remote", "plan", "put", "get", "exists", "available", "close", "status")
+# of those, the ones called (the others are read)
+_METHODS = frozenset({"layer_groups", "d2h", "h2d", "status", "plan", "put", "get", "exists", "close"})
 
 
 def _built(factory: Callable[[Any], Any], arg: object, call: str, kind: str, members: Sequence[str]) -> Any:
@@ -72,6 +74,8 @@ def _built(factory: Callable[[Any], Any], arg: object, call: str, kind: str, mem
         raise ConfigError(f"{call} raised {exc!r}") from exc
     try:
         missing = [m for m in members if not hasattr(made, m)]
+        if not missing:
+            missing = [f"{m} (not callable)" for m in members if m in _METHODS and not callable(getattr(made, m))]
     except Exception as exc:  # NOTE: a property of its that raises (hasattr lets all but AttributeError by)
         _close_quietly(made)
         if by_signal(exc):

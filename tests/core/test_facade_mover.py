@@ -76,14 +76,27 @@ class _Half:
         self.d2h = self.h2d = cache.device.d2h
 
 
+class _Uncallable:
+    """Every member, but ``status`` and ``h2d`` are not methods."""
+
+    def __init__(self, cache: HiCache) -> None:
+        self.layered, self.layer_groups, self.d2h = False, cache.device.layer_groups, cache.device.d2h
+        self.h2d, self.status = 0, None
+
+
 @pytest.mark.parametrize(
     ("mover", "error"),
     [
         ("not callable", r"^mover must be a callable that takes the cache and returns a DeviceMover$"),
         (lambda cache: 1 / 0, r"^mover\(cache\) raised ZeroDivisionError\('division by zero'\)$"),
         (_Half, r"^mover\(cache\) must return a DeviceMover; _Half lacks layered, layer_groups, status$"),
+        (
+            _Uncallable,
+            r"^mover\(cache\) must return a DeviceMover; "
+            r"_Uncallable lacks h2d \(not callable\), status \(not callable\)$",
+        ),
     ],
-    ids=["not callable", "raises", "lacks members"],
+    ids=["not callable", "raises", "lacks members", "members not callable"],
 )
 def test_a_mover_factory_that_is_not_one_is_a_config_error_leaving_nothing_open(
     mover: object, error: str, tmp_path: Path
