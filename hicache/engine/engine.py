@@ -469,6 +469,8 @@ class Engine:
             return False
         try:
             self.stats.aborted += 1
+            if seq.state is SeqState.RESTORING:
+                seq.restored_from = "L1"  # NOTE: its restore goes on in the background, serving no one
             with interrupts.held():  # NOTE: an Output out and the request still queued: served twice
                 self._emit(seq, error="aborted")
                 if self._active.pop(rid, None) is None:

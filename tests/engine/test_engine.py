@@ -289,6 +289,8 @@ def test_decode_overlaps_a_pending_restore_and_abort_mid_restore_leaks_nothing()
     e.step()
     assert e.status()["active"] == {"waiting": 0, "restoring": 1, "ready": 0, "decoding": 0}
     assert e.abort(rid) and not e.abort(rid)
+    aborted = next(o for o in e.run() if o.id == rid)  # no restore served it
+    assert aborted.error == "aborted" and aborted.restored_from == "L1" and aborted.cached_tokens == 0
     e.cache.drain()
     st = e.cache.status()
     assert st.requests == 0 and st.core.leases == 0 and st.pending_restores == 0
