@@ -382,7 +382,10 @@ class Engine:
         except BaseException:
             # NOTE: a refused setting, or an interrupt (Ctrl-C) anywhere in the set-up, must not
             # leave the cache open: its store stays locked (a dir store for this process's
-            # lifetime) and its pools allocated.
+            # lifetime) and its pools allocated; nor the runner its streams (the next one's).
+            runner = self.__dict__.get("runner")
+            if runner is not None:
+                runner.close()
             self.cache.close()
             raise
 

@@ -253,10 +253,21 @@ def test_an_interrupt_while_the_engine_is_built_leaves_its_store_free(
     def stats() -> Any:
         raise Interrupt("set-up")
 
+    closed: list[Any] = []
+    from hicache.engine.model import ModelRunner
+
+    close = ModelRunner.close
+
+    def closing(runner: Any) -> None:
+        closed.append(runner)
+        close(runner)
+
     with monkeypatch.context() as m:
         m.setattr(engine_module, "EngineStats", stats)
+        m.setattr(ModelRunner, "close", closing)
         with pytest.raises(Interrupt) as caught:
             edge_engine(**kw)
+    assert len(closed) == 1  # its runner too (on a GPU: its streams go to the next engine)
     # NOTE: with the exception still held (an interactive session keeps the last one), so
     # its traceback keeps the half-built engine alive: no finalizer is what frees the store
     edge_engine(**kw).close()

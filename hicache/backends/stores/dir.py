@@ -369,10 +369,11 @@ class DirStore:
             for fd in (self.lockfd, self.dirfd):
                 with contextlib.suppress(OSError):
                     fcntl.flock(fd, fcntl.LOCK_UN)
-        for fd in (self.lockfd, self.dirfd):
+        fds = (self.lockfd, self.dirfd)
+        self.lockfd = self.dirfd = -1  # NOTE: first: a child forked meanwhile must not close reused numbers
+        for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        self.lockfd = self.dirfd = -1
 
     def drop_in_child(self) -> None:
         """In a forked child: close the copies of the locked descriptors (the parent keeps the

@@ -77,8 +77,7 @@ class StorageFile:
             raise ConfigError(f"L3 path {self.path or tempfile.gettempdir()}: {exc.strerror or exc}") from exc
         self.closed = False
         self._opened_by = os.getpid()  # the process that locked the file (close unlocks there only)
-        if self.path is not None:
-            forks.drop_in_children(self)
+        forks.drop_in_children(self)  # NOTE: an unnamed one too: a child must not keep its space allocated
 
     def _open(self, direct: bool) -> tuple[int, bool]:
         flag = getattr(os, "O_DIRECT", 0) if direct else 0
@@ -244,8 +243,8 @@ class StorageFile:
                 # the child lives. A child closing its copy must not unlock ours.
                 with contextlib.suppress(OSError):
                     fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.closed = True
+            fd, self.fd, self.closed = self.fd, -1, True  # NOTE: first: a child forked meanwhile must not close it
+            os.close(fd)
 
 
 # An extended attribute on the files the store makes at a path: a later store may overwrite
