@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +43,35 @@ def eventually(cond: Callable[[], bool], timeout_s: float = 30.0) -> bool:
             return True
         time.sleep(0.005)
     return cond()
+
+
+@contextmanager
+def a_forked_child_lives() -> Iterator[None]:
+    """A child forked here (a worker pool's) holds every descriptor it inherited until the
+    block ends."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hold the inherited descriptors until told to go
+        try:
+            os.close(w)
+            os.read(r, 1)
+        finally:
+            os._exit(0)
+    os.close(r)
+    try:
+        yield
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def close_in_a_child(close: Callable[[], None]) -> None:
+    """Run ``close`` in a forked child (closing its copies of the parent's descriptors)."""
+    child = os.fork()
+    if child == 0:
+        try:
+            close()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)

@@ -21,7 +21,16 @@ from hicache.backends.stores import PageStatus, open_storage
 from hicache.backends.stores.dir import TRAILER_BYTES
 from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError
-from tests.backends.store_helpers import KEYS, G, dir_store, eventually, fill, page_bytes
+from tests.backends.store_helpers import (
+    KEYS,
+    G,
+    a_forked_child_lives,
+    close_in_a_child,
+    dir_store,
+    eventually,
+    fill,
+    page_bytes,
+)
 
 
 def page_files(path: Path) -> list[Path]:
@@ -244,16 +253,7 @@ def test_close_lets_go_of_the_directory_while_a_forked_child_lives(tmp_path: Pat
     ``close()`` unlocks them, so the directory opens again at once, here and elsewhere; the
     child closing its copies does not unlock the parent's."""
     s = dir_store(tmp_path)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: hold the inherited descriptors until told to go
-        try:
-            os.close(w)
-            os.read(r, 1)
-        finally:
-            os._exit(0)
-    os.close(r)
-    try:
+    with a_forked_child_lives():
         s.close()
         again = dir_store(tmp_path)  # in use by nobody now
         code = (
@@ -265,18 +265,8 @@ def test_close_lets_go_of_the_directory_while_a_forked_child_lives(tmp_path: Pat
         assert "in use by another cache of this process" not in other.stderr
         assert f"in use by another process (pid {os.getpid()})" in other.stderr, other.stderr[-500:]
         again.close()
-    finally:
-        os.write(w, b"x")
-        os.close(w)
-        os.waitpid(pid, 0)
     s = dir_store(tmp_path)
-    child = os.fork()
-    if child == 0:  # a child of an open store closing its copies: the parent's lock stays
-        try:
-            s.close()
-        finally:
-            os._exit(0)
-    os.waitpid(child, 0)
+    close_in_a_child(s.close)  # a child of an open store closing its copies: the parent's lock stays
     with pytest.raises(ConfigError, match="in use by another cache of this process"):
         dir_store(tmp_path)
     s.close()

@@ -15,6 +15,7 @@ from hicache.backends.pools import HostPool, coalesce
 from hicache.backends.storage import StorageBackend, StorageFile
 from hicache.core.geometry import KVGeometry
 from hicache.errors import ConfigError, PageOwnershipError
+from tests.backends.store_helpers import a_forked_child_lives, close_in_a_child
 
 G = KVGeometry(2, 2, 64, 16, torch.bfloat16)  # 8 KiB pages: O_DIRECT-sized
 
@@ -290,30 +291,11 @@ def test_close_lets_go_of_the_file_while_a_forked_child_lives(tmp_path: Path) ->
     the parent's."""
     path = tmp_path / "l3.bin"
     f = StorageFile(G, 8, path)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: hold the inherited descriptor until told to go
-        try:
-            os.close(w)
-            os.read(r, 1)
-        finally:
-            os._exit(0)
-    os.close(r)
-    try:
+    with a_forked_child_lives():
         f.close()
         StorageFile(G, 8, path).close()  # in use by nobody now
-    finally:
-        os.write(w, b"x")
-        os.close(w)
-        os.waitpid(pid, 0)
     f = StorageFile(G, 8, path)
-    child = os.fork()
-    if child == 0:  # a child of an open file closing its copy: the parent's lock stays
-        try:
-            f.close()
-        finally:
-            os._exit(0)
-    os.waitpid(child, 0)
+    close_in_a_child(f.close)  # a child of an open file closing its copy: the parent's lock stays
     with pytest.raises(ConfigError, match="in use by another cache"):
         StorageFile(G, 8, path)
     f.close()
